@@ -1,0 +1,32 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+NPROC   ?= 4
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshwise run --nproc-per-node $(NPROC) --mesh dp=-1,tp=2 examples/topology_demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q -x --timeout=300 tests
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,31 @@
+"""The one exception family meshwise raises: each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class MeshwiseError(Exception):
+    """Base class of every error meshwise raises on bad input or a failed collective."""
+
+
+class TopologyError(MeshwiseError):
+    """A mesh specification, a role or a launch environment is wrong."""
+
+
+class DataError(MeshwiseError):
+    """A sampler, sample-part spec, source or loader state is wrong."""
+
+
+class ParallelError(MeshwiseError):
+    """A parallelisation plan or model cannot be applied on this topology."""
+
+
+class MetricError(MeshwiseError):
+    """A metric update or synchronisation is wrong for this topology."""
+
+
+class CheckpointError(MeshwiseError):
+    """A checkpoint is missing, corrupt or incompatible with what is loading it."""
+
+
+class CollectiveTimeout(MeshwiseError):
+    """A collective did not complete within the configured timeout."""

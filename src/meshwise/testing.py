@@ -1,0 +1,214 @@
+"""Run a function on N real gloo processes with a hard timeout, for tests and checks.
+
+Processes are forked from a forkserver that has already imported torch, so a launch costs
+a fraction of a second instead of an ``import torch`` per rank. The first failing rank's
+traceback is re-raised, labelled with its rank and mesh coordinate; no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+_PRELOAD = ["torch", "torch.distributed", "numpy", "meshwise", "meshwise.topology"]
+_CTX: Any = None
+
+
+class DistributedFailure(AssertionError):
+    """A rank of :func:`run_distributed` raised, died or did not finish in time."""
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    mesh: Any,
+    roles: Any,
+    pg_timeout: float,
+    env: Mapping[str, str],
+    results: Any,
+) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **env,
+        }
+    )
+    import torch
+
+    torch.set_num_threads(1)  # N ranks on 2 cores: oversubscribing threads only slows every rank
+    import meshwise
+
+    label = f"rank {rank}"
+    try:
+        if mesh is None:
+            out = fn(*args, **kwargs)
+        else:
+            topo = meshwise.init(mesh, roles=roles, timeout=pg_timeout)
+            label = topo.label()
+            try:
+                out = fn(topo, *args, **kwargs)
+            finally:
+                meshwise.shutdown()
+        results.put((rank, "ok", label, out))
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        current = meshwise.current()
+        if current is not None:
+            label = current.label()
+        results.put((rank, "error", label, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.close()
+        results.join_thread()  # the message must leave before the process does
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # do not run atexit hooks that could block on a dead group
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    mesh: Mapping[str, int] | str | None = None,
+    roles: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    pg_timeout: float = 30.0,
+    env: Mapping[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn`` on ``nprocs`` gloo processes and return each rank's return value, by rank.
+
+    With ``mesh``, each rank calls ``meshwise.init(mesh, roles=roles, timeout=pg_timeout)`` and
+    ``fn(topology, *args, **kwargs)``; without, ``fn(*args, **kwargs)`` runs with the launcher
+    variables set. ``fn`` must be importable (a module-level function). After ``timeout``
+    seconds every process is killed and :class:`DistributedFailure` names the ranks that had not
+    finished. Put many checks in one ``fn``: each launch costs process start-up.
+    """
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, nprocs, port, fn, args, kwargs, mesh, roles, pg_timeout, dict(env or {}), results),
+            daemon=True,
+        )
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    labels: dict[int, str] = {}
+    failure: tuple[int, str, str] | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < nprocs and failure is None:
+            try:
+                rank, status, label, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+                if dead:
+                    time.sleep(0.5)  # a dying rank may still have its traceback in the queue
+                    try:
+                        rank, status, label, payload = results.get(timeout=0.5)
+                    except queue.Empty:
+                        r = dead[0]
+                        failure = (r, f"rank {r}", f"process died with exit code {procs[r].exitcode}")
+                        break
+                elif time.monotonic() > deadline:
+                    missing = [r for r in range(nprocs) if r not in outputs]
+                    raise DistributedFailure(
+                        f"ranks {missing} of {nprocs} did not finish within {timeout:.0f}s "
+                        f"(finished: {sorted(labels.values())}); all processes were killed"
+                    ) from None
+                continue
+            labels[rank] = label
+            if status == "ok":
+                outputs[rank] = payload
+            else:
+                failure = (rank, label, payload)
+        if failure is not None:
+            rank, label, text = failure
+            raise DistributedFailure(f"{label} of {nprocs} failed:\n{text}")
+        return [outputs[r] for r in range(nprocs)]
+    finally:
+        _reap(procs)
+        results.close()
+
+
+def _reap(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(5)
+
+
+def run_command(
+    cmd: Sequence[str],
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
+    """Run a command in its own process group; on timeout the whole group is killed.
+
+    Used for tests of ``meshwise run`` and of scripts under it, where torchrun's children must not
+    outlive the test.
+    """
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise DistributedFailure(f"{' '.join(cmd)} did not finish within {timeout:.0f}s; output:\n{out}") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers, should any be left
+        except ProcessLookupError:
+            pass
+    result = subprocess.CompletedProcess(list(cmd), proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        raise DistributedFailure(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
+    return result
