@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "parallelize": "meshwise.parallel",
     "create_trainer": "meshwise.engine",
-    "create_evaluator": "meshwise.engine",
+    "create_evaluator": "meshwise.evaluation",
     "Checkpointer": "meshwise.checkpoint",
 }
 
@@ -24,6 +24,6 @@ __all__ = ["MeshwiseError", "Topology", "current", "init", "shutdown", "__versio
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in {"data", "metrics", "parallel", "engine", "checkpoint", "handlers", "debug", "testing"}:
+    if name in {"data", "metrics", "parallel", "engine", "evaluation", "checkpoint", "handlers", "plot", "testing"}:
         return importlib.import_module(f"meshwise.{name}")
     raise AttributeError(f"module 'meshwise' has no attribute {name!r}")
