@@ -1,0 +1,57 @@
+"""Hang and mismatch reports: a skipped or mismatched collective names the dims, roles, step and ranks."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshwise.debug import guarded
+from meshwise.errors import CollectiveTimeout
+from meshwise.testing import run_distributed
+
+
+def _scenarios(topo):
+    out = {}
+    # 1. A guarded collective that every rank makes gives the plain result.
+    t = torch.tensor([float(topo.rank)])
+    for step in range(20):  # past the mark-retention window, so old marks are deleted
+        t = torch.tensor([float(topo.rank)])
+        with guarded(topo, "dp", "all_reduce", tensor=t, step=step):
+            dist.all_reduce(t, group=topo.group("dp"))
+    out["sum"] = t.item()
+    # 2. Debug mode: rank 3 holds another shape -> an error before the collective, no gloo abort.
+    t = torch.zeros(4 if topo.rank != 3 else 5)
+    try:
+        with guarded(topo, "dp", "all_reduce", tensor=t, step=20, check=True):
+            dist.all_reduce(t, group=topo.group("dp"))
+        out["mismatch"] = None
+    except CollectiveTimeout as exc:
+        out["mismatch"] = str(exc)
+    # 3. Rank 1 skips a step: its tp partner times out and is told who did not arrive.
+    start = time.monotonic()
+    out["skip"] = None
+    if topo.rank != 1:
+        t = torch.ones(2)
+        try:
+            with guarded(topo, "tp", "all_reduce", tensor=t, step=21):
+                dist.all_reduce(t, group=topo.group("tp"))
+        except CollectiveTimeout as exc:
+            out["skip"] = str(exc)
+    out["elapsed"] = time.monotonic() - start
+    return out
+
+
+def test_guarded_collectives_name_what_went_wrong():
+    results = run_distributed(_scenarios, 4, mesh={"dp": 2, "tp": 2}, pg_timeout=3, timeout=60)
+    assert [r["sum"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # dp groups [0,2] and [1,3]
+    # dp group [1,3]: both ranks see the mismatch; group [0,2] agrees and runs.
+    assert results[0]["mismatch"] is None and results[2]["mismatch"] is None
+    for r in (1, 3):
+        msg = results[r]["mismatch"]
+        assert "dp (batch)" in msg and "group of ranks [1, 3]" in msg and "step 20" in msg
+    assert "ranks called something else: 3: 'all_reduce float32[5] step 20'" in results[1]["mismatch"]
+    msg = results[0]["skip"]
+    assert msg is not None and "tp (replica)" in msg and "ranks [1] did not arrive" in msg and "step 21" in msg
+    assert results[0]["elapsed"] < 15
