@@ -1,0 +1,146 @@
+"""The GPT example: its TP plan with FSDP2 trains like one process (dp=2 x tp=2, tp=4), and its data split."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshwise.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+
+import model as gpt  # noqa: E402
+import prepare  # noqa: E402
+
+TINY = dict(vocab_size=256, block_size=16, n_layer=2, n_head=4, d_model=32)
+GLOBAL_BATCH = 8
+STEPS = 4
+
+
+def _batches(cfg: gpt.GPTConfig, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1), generator=g)
+        out.append((x[:, :-1], x[:, 1:]))
+    return out
+
+
+def _train_reference(model: torch.nn.Module, batches, lr: float) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for x, y in batches:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _equivalence_torch(topo, lr: float = 1e-3) -> dict:
+    """One process vs the TP plan (+ FSDP2 over dp) applied with torch's own APIs; all ranks compare."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    cfg = gpt.GPTConfig(**TINY)
+    torch.manual_seed(0)
+    full = gpt.GPT(cfg)  # full weights under one seed, then shard (PITFALLS.md)
+    reference = copy.deepcopy(full)
+    batches = _batches(cfg, STEPS)
+    ref_losses = _train_reference(reference, batches, lr)
+
+    tp = topo.sizes.get("tp", 1)
+    gpt.check_tp_degree(cfg, tp)
+    model = full
+    if tp > 1:
+        model = parallelize_module(model, topo.submesh("tp"), gpt.tp_plan(model))
+    dp = topo.data_size
+    if dp > 1:
+        dp_mesh = topo.submesh(topo.batch_dims)
+        for block in model.blocks:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    b_local = GLOBAL_BATCH // dp
+    lo = topo.data_rank * b_local
+    losses = []
+    for x, y in batches:
+        x, y = x[lo : lo + b_local], y[lo : lo + b_local]
+        with loss_parallel():
+            loss = gpt.token_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+        opt.step()
+        value = loss.full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        if dp > 1:
+            dist.all_reduce(value, group=topo.group(topo.batch_dims))
+            value = value / dp
+        losses.append(value.item())
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        worst = max(worst, (got - ref[name].detach()).abs().max().item())
+    return {"max_param_diff": worst, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"tp": 4}])
+def test_tp_plan_matches_one_process(mesh):
+    results = run_distributed(_equivalence_torch, 4, mesh=mesh, timeout=90)
+    for r in results:
+        assert r["max_param_diff"] <= 1e-5, (mesh, r)
+        assert r["loss_diff"] <= 1e-5, (mesh, r)
+
+
+# --------------------------------------------------------------------------- data preparation
+
+
+def _corpus(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    for i in range(20):
+        sub = src / ("pkg" if i % 3 else "") / f"m{i:02d}.py"
+        sub.parent.mkdir(parents=True, exist_ok=True)
+        sub.write_text(f"# module {i}\n" + "x = 1\n" * (i + 1))
+    (src / "site-packages").mkdir()
+    (src / "site-packages" / "foreign.py").write_text("not part of the corpus\n")
+    return src
+
+
+def test_prepare_split_is_deterministic_and_disjoint(tmp_path):
+    src = _corpus(tmp_path)
+    a = prepare.prepare(tmp_path / "a", source_dir=src, val_fraction=0.2)
+    b = prepare.prepare(tmp_path / "b", source_dir=src, val_fraction=0.2)
+    assert a["train_files"] == b["train_files"] and a["val_files"] == b["val_files"]
+    assert not set(a["train_files"]) & set(a["val_files"])
+    assert sorted(a["train_files"] + a["val_files"]) == a["train_files"] + a["val_files"]  # sorted, val last
+    assert not any("site-packages" in f for f in a["train_files"] + a["val_files"])
+    train = np.load(tmp_path / "a" / "train.npy", mmap_mode="r")
+    val = np.load(tmp_path / "a" / "val.npy", mmap_mode="r")
+    assert train.dtype == np.uint8 and val.dtype == np.uint8
+    assert np.array_equal(train, np.load(tmp_path / "b" / "train.npy"))
+    # Independent oracle: the bytes of the files, concatenated in sorted order.
+    files = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py") if "site-packages" not in p.parts)
+    blob = b"".join((src / f).read_bytes() for f in files)
+    assert bytes(train) + bytes(val) == blob
+    assert bytes(val) == b"".join((src / f).read_bytes() for f in a["val_files"])
+    assert 0.1 < len(val) / len(blob) < 0.4
+
+    text = tmp_path / "book.txt"
+    text.write_bytes(bytes(range(256)) * 40)
+    c = prepare.prepare(tmp_path / "c", text=text, val_fraction=0.1)
+    t, v = np.load(tmp_path / "c" / "train.npy"), np.load(tmp_path / "c" / "val.npy")
+    assert bytes(t) + bytes(v) == text.read_bytes() and len(v) == c["val_tokens"] == 1024
+    tokens = tmp_path / "tok.npy"
+    np.save(tokens, np.arange(1000, dtype=np.uint16) % 300)
+    d = prepare.prepare(tmp_path / "d", tokens=tokens, val_fraction=0.1)
+    assert d["vocab_size"] == 300 and np.load(tmp_path / "d" / "train.npy").dtype == np.uint16
