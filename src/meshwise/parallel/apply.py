@@ -1,0 +1,331 @@
+"""Place a model on the topology (torch's TP plan over the replica dim, FSDP2/replicate over the metric dims)
+and clip gradients by their global norm across every mesh they live on."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from meshwise.errors import ParallelError
+from meshwise.topology import Topology
+
+DP_MODES = ("fsdp", "replicate", "none")
+
+FsdpUnits = Sequence[str | nn.Module] | Callable[[str, nn.Module], bool] | type | tuple[type, ...]
+
+
+# --------------------------------------------------------------------------- inspection helpers
+
+
+def _state_kind(module: nn.Module) -> str | None:
+    """'fsdp', 'replicate' (replicate_with_fsdp), 'legacy-replicate', 'ddp' or None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(module, DistributedDataParallel):
+        return "ddp"
+    if isinstance(module, FSDPModule):
+        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
+
+        return "replicate" if isinstance(module, ReplicateModule) else "fsdp"
+    from torch.distributed._composable_state import _get_module_state
+
+    state = _get_module_state(module)
+    if state is not None and type(state).__module__.endswith("_composable.replicate"):
+        return "legacy-replicate"
+    return None
+
+
+def data_parallel_kind(model: nn.Module) -> str | None:
+    """How ``model`` (or any of its submodules) is data parallel: 'fsdp', 'replicate', 'ddp', ... or None."""
+    for module in model.modules():
+        kind = _state_kind(module)
+        if kind is not None:
+            return kind
+    return None
+
+
+def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
+    return [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    return a is b or (
+        getattr(a, "mesh_dim_names", None) == getattr(b, "mesh_dim_names", None)
+        and torch.equal(a.mesh.cpu(), b.mesh.cpu())
+    )
+
+
+def _plan_matches(model: nn.Module, key: str) -> bool:
+    """Whether a ``parallelize_module`` plan key resolves to a module (its matching is atom by atom)."""
+    if key == "":
+        return True
+    atoms = key.split(".")
+    for name, _ in model.named_modules():
+        parts = name.split(".") if name else []
+        if len(parts) == len(atoms) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms)):
+            return True
+    return False
+
+
+def _select_units(model: nn.Module, units: FsdpUnits | None) -> list[nn.Module]:
+    """The submodules to shard as their own FSDP units (children before parents), excluding the root."""
+    if units is None:
+        return []
+    named = dict(model.named_modules())
+    chosen: list[str] = []
+    if isinstance(units, type) or (isinstance(units, tuple) and all(isinstance(u, type) for u in units)):
+        chosen = [n for n, m in named.items() if n and isinstance(m, units)]
+    elif callable(units) and not isinstance(units, nn.Module):
+        chosen = [n for n, m in named.items() if n and units(n, m)]
+    else:
+        by_id = {id(m): n for n, m in named.items()}
+        for unit in units:
+            if isinstance(unit, nn.Module):
+                if id(unit) not in by_id:
+                    raise ParallelError(
+                        f"fsdp_units holds a {type(unit).__name__} that is not a submodule of the model: "
+                        "pass modules of this model, or their names"
+                    )
+                chosen.append(by_id[id(unit)])
+            elif isinstance(unit, str):
+                matches = [n for n in named if n and _plan_matches_name(n, unit)]
+                if not matches:
+                    raise ParallelError(
+                        f"fsdp_units names {unit!r}, which matches no submodule: use names from "
+                        f"model.named_modules(), e.g. {[n for n in named if n][:5]}"
+                    )
+                chosen.extend(matches)
+            else:
+                raise ParallelError(f"fsdp_units entries must be module names or modules, got {unit!r}")
+    chosen = [n for n in dict.fromkeys(chosen) if n]
+    chosen.sort(key=lambda n: -n.count("."))  # FSDP2 wants inner units sharded before the units holding them
+    return [named[n] for n in chosen]
+
+
+def _plan_matches_name(name: str, pattern: str) -> bool:
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatchcase(p, a) for p, a in zip(parts, atoms))
+
+
+# --------------------------------------------------------------------------- parallelize
+
+
+def parallelize(
+    model: nn.Module,
+    topology: Topology,
+    *,
+    tp_plan: Mapping[str, Any] | Callable[[nn.Module], Mapping[str, Any]] | None = None,
+    dp: str = "fsdp",
+    fsdp_units: FsdpUnits | None = None,
+    fsdp_kwargs: Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Apply ``tp_plan`` over the topology's replica dim, then data parallel over its metric dims; returns the model.
+
+    ``tp_plan`` maps submodule names (``parallelize_module`` patterns such as ``"blocks.*.attn.q"``) to
+    torch ``ParallelStyle`` objects (``ColwiseParallel()``, ``RowwiseParallel()``, ...), or is a function
+    of the model returning that mapping. ``dp`` is ``"fsdp"`` (FSDP2 ``fully_shard``: each of
+    ``fsdp_units`` — names, modules, a module type or a predicate ``(name, module) -> bool`` — then the
+    root), ``"replicate"`` (``replicate_with_fsdp``: DDP semantics that compose with TP) or ``"none"``.
+    Data parallel spans the batch *and* split dims (flattened): split ranks hold partial gradients of
+    the same parameters, so their gradients must be averaged too. Over a single rank no wrapper is added.
+    Build the model with full (not sharded) weights, the same on every rank, before calling this.
+    """
+    if not isinstance(model, nn.Module):
+        raise ParallelError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
+    if dp not in DP_MODES:
+        hint = (
+            " DDP is not offered: beside tensor parallel it drops DTensor parameters and legacy replicate gives "
+            "wrong gradients (PITFALLS.md); dp='replicate' gives the same all-reduce semantics and composes with TP."
+            if str(dp).lower() in ("ddp", "dp", "data_parallel")
+            else ""
+        )
+        raise ParallelError(f"dp={dp!r} is not one of {DP_MODES}.{hint}")
+    if topology.size(topology.stage_dims) > 1:
+        raise ParallelError(
+            f"the mesh has pipeline dim(s) {topology.stage_dims}; parallelize() places one whole model per "
+            "stage-free mesh: split the model into stages yourself and parallelize each stage's module"
+        )
+    kind = data_parallel_kind(model)
+    if kind == "ddp":
+        raise ParallelError(
+            "the model is wrapped in DistributedDataParallel: pass the plain module (model.module) and let "
+            "parallelize() apply dp='replicate' or 'fsdp' (DDP beside tensor parallel loses DTensor parameters)"
+        )
+    if kind == "legacy-replicate":
+        raise ParallelError(
+            "the model uses torch.distributed._composable.replicate, which gives wrong gradients beside tensor "
+            "parallel: build a fresh model and use dp='replicate' (replicate_with_fsdp) instead"
+        )
+    if kind is not None:
+        raise ParallelError(
+            f"the model is already data parallel ({kind}): call parallelize() once, on a model without wrappers"
+        )
+
+    replica = topology.replica_dims
+    existing = _dtensor_params(model)
+    if tp_plan is not None:
+        if len(replica) != 1:
+            raise ParallelError(
+                f"a tp_plan needs exactly one mesh dim with role 'replica' to shard over; this mesh has "
+                f"{list(replica) or 'none'} (dims {topology.roles}). Declare one, e.g. init({{'dp': -1, 'tp': 2}})"
+            )
+        if existing:
+            raise ParallelError(
+                f"parameter {existing[0][0]!r} is already a DTensor: the model was already tensor parallel; "
+                "give parallelize() a model with plain parameters, or drop tp_plan"
+            )
+        plan = tp_plan(model) if callable(tp_plan) else tp_plan
+        if not isinstance(plan, Mapping):
+            raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
+        from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+        for key, style in plan.items():
+            if not isinstance(key, str) or not _plan_matches(model, key):
+                names = [n for n, _ in model.named_modules() if n]
+                raise ParallelError(
+                    f"tp_plan names {key!r}, which matches no submodule of {type(model).__name__}: use names "
+                    f"from model.named_modules() (wildcards allowed per level), e.g. {names[:6]}"
+                )
+            if not isinstance(style, ParallelStyle):
+                raise ParallelError(
+                    f"tp_plan[{key!r}] is a {type(style).__name__}, not a torch ParallelStyle: use "
+                    "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
+                )
+        model = parallelize_module(model, topology.submesh(replica[0]), dict(plan))
+    elif existing:
+        tp_mesh = topology.submesh(replica[0]) if len(replica) == 1 else None
+        for name, p in existing:
+            if tp_mesh is None or not _same_mesh(p.device_mesh, tp_mesh):
+                raise ParallelError(
+                    f"parameter {name!r} is already a DTensor on mesh {p.device_mesh}, which is not this "
+                    f"topology's replica mesh ({list(replica) or 'none'}); data parallel over "
+                    f"{topology.metric_dims} cannot compose with it. Build the model with plain parameters "
+                    "and pass tp_plan=... so meshwise shards it on this topology"
+                )
+
+    metric = topology.metric_dims
+    if dp == "none" or not metric or topology.size(metric) == 1:
+        return model
+    dp_mesh = topology.submesh(metric)
+    kwargs = dict(fsdp_kwargs or {})
+    units = _select_units(model, fsdp_units)
+    if dp == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in units:
+            fully_shard(unit, mesh=dp_mesh, **kwargs)
+        fully_shard(model, mesh=dp_mesh, **kwargs)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for unit in units:
+            replicate(unit, mesh=dp_mesh, **kwargs)
+        replicate(model, mesh=dp_mesh, **kwargs)
+    return model
+
+
+# --------------------------------------------------------------------------- global gradient norm
+
+
+def _grads(params: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _replication(grad: torch.Tensor, holders: int) -> tuple[torch.Tensor, float]:
+    """The local shard to measure and how many ranks hold an identical copy of it.
+
+    ``holders`` ranks hold the parameter (the world, or one pipeline stage of it). A DTensor's shard
+    is distinct along the mesh dims where it is ``Shard``; a ``Partial`` grad is first reduced.
+    """
+    if not isinstance(grad, DTensor):
+        return grad, float(holders)
+    if any(p.is_partial() for p in grad.placements):
+        grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+    mesh = grad.device_mesh
+    # Anything neither Replicate nor Partial splits the tensor: Shard, and FSDP2's _StridedShard (no Shard subclass)
+    distinct = math.prod(mesh.size(i) for i, p in enumerate(grad.placements) if not p.is_replicate())
+    return grad.to_local(), holders / distinct
+
+
+def local_norm_contribution(grads: Sequence[torch.Tensor], topology: Topology, norm_type: float) -> torch.Tensor:
+    """This rank's share of ``sum |g|^p`` (float64 scalar): summed over the world it gives the global value.
+
+    Every shard's power-sum is divided by the number of ranks holding an identical copy, so one
+    all-reduce over the world counts every distinct element exactly once, whatever mesh it lives on.
+    For ``norm_type=inf`` it is the local max instead (combine with a MAX reduction).
+    """
+    holders = topology.world_size // topology.size(topology.stage_dims)
+    buckets: dict[float, list[torch.Tensor]] = {}
+    for g in grads:
+        local, copies = _replication(g, holders)
+        if local.numel():
+            buckets.setdefault(copies, []).append(local)
+    device = topology.device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for copies, tensors in buckets.items():
+        if math.isinf(norm_type):
+            norms = torch._foreach_norm(tensors, math.inf)
+            total = torch.maximum(total, torch.stack(norms).max().to(device, torch.float64))
+        else:
+            norms = torch._foreach_norm(tensors, norm_type)
+            part = torch.stack([n.to(device, torch.float64) for n in norms]).pow(norm_type).sum()
+            total = total + part / copies
+    return total
+
+
+def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
+    """Multiply gradients (DTensor or plain) in place by one number."""
+    if factor == 1.0:
+        return
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [t for t in locals_ if t.numel()]
+    if locals_:
+        torch._foreach_mul_(locals_, factor)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch's ``clip_grad_norm_`` rule: ``max_norm / (norm + 1e-6)``, never above 1."""
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    topology: Topology,
+    *,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients in place by their global ``norm_type``-norm over the whole topology; returns that norm.
+
+    Works on any mix of plain, tensor-parallel and FSDP2 (+TP) gradients (torch's ``clip_grad_norm_``
+    fails on those on 2.13): each shard is counted once however many ranks hold it. Every rank must
+    call it. Plain-tensor gradients are taken to be identical on every rank that holds the parameter.
+    """
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ParallelError(f"norm_type must be positive (or inf), got {norm_type}")
+    grads = _grads(parameters)
+    value = local_norm_contribution(grads, topology, norm_type)
+    if topology.world_size > 1:
+        op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+        dist.all_reduce(value, op=op)
+    total = value if math.isinf(norm_type) else value.pow(1.0 / norm_type)
+    norm = float(total)
+    if error_if_nonfinite and not math.isfinite(norm):
+        raise ParallelError(
+            f"the global gradient {norm_type}-norm is {norm}: the loss or a gradient is not finite; lower the "
+            "learning rate, check the inputs, or pass error_if_nonfinite=False to clip anyway"
+        )
+    scale_grads(grads, clip_coefficient(norm, float(max_norm)))
+    return total.to(torch.float32)

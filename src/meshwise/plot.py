@@ -1,0 +1,78 @@
+"""Render a run's loss and metric curves from ``RUN_DIR/metrics.jsonl`` to a PNG (``meshwise plot RUN_DIR``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from meshwise.errors import MeshwiseError
+
+METRICS_FILE = "metrics.jsonl"
+_RESERVED = {"tag", "step", "epoch", "time"}
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{metric: {tag: [(step, value), ...]}}`` from the run's JSON-lines log."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise MeshwiseError(
+            f"no {METRICS_FILE} in {run_dir}: attach meshwise.handlers.RunLogger(run_dir) to the trainer to write it"
+        )
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise MeshwiseError(f"{path}:{number} is not JSON: fix or remove that line") from None
+            tag, step = str(record.get("tag", "train")), int(record.get("step", number))
+            for key, value in record.items():
+                if key in _RESERVED:
+                    continue
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    continue
+                curves.setdefault(key, {}).setdefault(tag, []).append((step, value))
+    if not curves:
+        raise MeshwiseError(f"{path} holds no numbers to plot: log a loss or a metric first")
+    return curves
+
+
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> str:
+    """Draw one panel per metric (loss first), one line per tag (train, val, ...); returns the PNG's path.
+
+    The default path is ``RUN_DIR/curves.png``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = read_metrics(run_dir)
+    names = sorted(curves, key=lambda k: (k != "loss", k))
+    cols = min(len(names), 3)
+    rows = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for tag, points in sorted(curves[name].items()):
+            points.sort()
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    fig.suptitle(Path(run_dir).resolve().name)
+    fig.tight_layout()
+    target = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(target, dpi=100)
+    plt.close(fig)
+    return str(target)
