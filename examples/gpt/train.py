@@ -1,0 +1,371 @@
+"""Train the example GPT with data x tensor parallelism over a meshwise topology; evaluate, checkpoint, resume.
+
+One invocation is one phase. Train (and evaluate held-out loss exactly, and checkpoint) at dp=2 x tp=2:
+
+    meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 examples/gpt/train.py --steps 250
+
+Resume that checkpoint on another mesh (the checkpoint reshards on load) for a few more steps:
+
+    meshwise run --nproc-per-node 4 --mesh tp=4 examples/gpt/train.py --resume runs/gpt --steps 30
+
+Each phase appends to the run folder (default runs/gpt): metrics.jsonl, TensorBoard events, loss.png,
+summary.jsonl, checkpoints/. The summary table printed at the end lists every phase of the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan  # noqa: E402
+from prepare import prepare  # noqa: E402
+
+import meshwise  # noqa: E402
+from meshwise.errors import MeshwiseError  # noqa: E402
+
+MODEL_KEYS = ("block_size", "n_layer", "n_head", "d_model")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mesh", default=None, help="mesh, e.g. dp=2,tp=2 (default: meshwise run --mesh / MESHWISE_MESH)")
+    p.add_argument("--run-dir", default=None, help="run folder (default runs/gpt, or the --resume folder)")
+    p.add_argument("--resume", default=None, help="run folder whose latest checkpoint to continue from")
+    p.add_argument("--overwrite", action="store_true", help="start afresh in a run folder that holds a run")
+    data = p.add_argument_group("data (default: the Python standard library's .py files, byte-level)")
+    data.add_argument("--data-dir", default="data/gpt", help="where prepared train.npy/val.npy live")
+    data.add_argument("--text", default=None, help="train on this text file instead (byte-level)")
+    data.add_argument("--tokens", default=None, help="train on this 1-D .npy of token ids instead")
+    data.add_argument("--source-dir", default=None, help="a folder of .py files instead of the standard library")
+    data.add_argument("--val-fraction", type=float, default=0.05)
+    model = p.add_argument_group("model (ignored with --resume: the run folder's config is used)")
+    model.add_argument("--d-model", type=int, default=128)
+    model.add_argument("--n-layer", type=int, default=4)
+    model.add_argument("--n-head", type=int, default=4)
+    model.add_argument("--block-size", type=int, default=128)
+    opt = p.add_argument_group("optimisation")
+    opt.add_argument("--steps", type=int, default=250, help="optimizer steps in this invocation")
+    opt.add_argument("--time-budget", type=float, default=0.0, help="stop training after this many seconds (0: off)")
+    opt.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
+    opt.add_argument("--lr", type=float, default=2e-3)
+    opt.add_argument("--warmup", type=int, default=20)
+    opt.add_argument("--weight-decay", type=float, default=0.1)
+    opt.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
+    opt.add_argument("--seed", type=int, default=0)
+    ev = p.add_argument_group("evaluation")
+    ev.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at start and end)")
+    ev.add_argument("--eval-samples", type=int, default=500, help="held-out windows to evaluate (0: all)")
+    ev.add_argument("--eval-batch-size", type=int, default=32)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- layers (real, or the stand-in)
+
+
+def resolve_layers(topo) -> dict:
+    """The meshwise layers this script uses; a layer that has not landed comes from standin.py (said on rank 0)."""
+    import standin
+
+    found, missing = {}, []
+    for name, module, attr in [
+        ("ArrayDataset", "meshwise.data", "ArrayDataset"),
+        ("mesh_dataloader", "meshwise.data", "mesh_dataloader"),
+        ("parallelize", "meshwise.parallel", "parallelize"),
+        ("create_trainer", "meshwise.engine", "create_trainer"),
+        ("create_evaluator", "meshwise.evaluation", "create_evaluator"),
+        ("Checkpointer", "meshwise.checkpoint", "Checkpointer"),
+        ("RunLogger", "meshwise.handlers", "RunLogger"),
+        ("plot_run", "meshwise.plot", "plot_run"),
+        ("MeanLoss", "meshwise.metrics", "MeanLoss"),
+    ]:
+        try:
+            found[name] = getattr(__import__(module, fromlist=[attr]), attr)
+        except (ImportError, AttributeError):
+            found[name] = getattr(standin, attr)
+            missing.append(f"{module}.{attr}")
+    if missing and topo.rank == 0:
+        print(f"note: using examples/gpt/standin.py for {', '.join(missing)} (not landed yet)", flush=True)
+    return found
+
+
+# --------------------------------------------------------------------------- data
+
+
+def windows(tokens_path: Path, block_size: int, limit: int = 0) -> dict[str, np.ndarray]:
+    """Non-overlapping windows of block_size+1 tokens: input = the first block_size, target = the next."""
+    tokens = np.load(tokens_path, mmap_mode="r")
+    n = len(tokens) // (block_size + 1)
+    if limit:
+        n = min(n, limit)
+    if n == 0:
+        raise MeshwiseError(f"{tokens_path} holds {len(tokens)} tokens, fewer than one window of {block_size + 1}")
+    w = tokens[: n * (block_size + 1)].reshape(n, block_size + 1)  # still a memmap view: nothing read yet
+    return {"input": w[:, :-1], "target": w[:, 1:]}
+
+
+def prepare_data(args: argparse.Namespace, topo) -> tuple[Path, dict]:
+    """Rank 0 tokenises (or reuses) the corpus; every rank then reads the same files."""
+    out = Path(args.data_dir)
+    if args.text or args.tokens or args.source_dir:
+        kind = "text" if args.text else "tokens" if args.tokens else "src"
+        out = out / f"{kind}-{Path(args.text or args.tokens or args.source_dir).stem}"
+    if topo.rank == 0:
+        prepare(out, source_dir=args.source_dir, text=args.text, tokens=args.tokens, val_fraction=args.val_fraction)
+    if topo.world_size > 1:
+        dist.barrier()
+    return out, json.loads((out / "meta.json").read_text())
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def per_token_loss(logits, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per token as a plain [B, T] tensor, for vocab-sharded logits too."""
+    from torch.distributed.tensor import DTensor
+
+    with loss_context(meshwise.current()):
+        loss = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1).long(), reduction="none")
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.view(target.shape)
+
+
+def loss_context(topo):
+    """``loss_parallel()`` when the head is vocab-sharded; its backward must run inside it too.
+
+    It does not nest: leaving an inner ``loss_parallel()`` switches it off for the outer one too.
+    """
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if topo.replica_dims and topo.size(topo.replica_dims) > 1 else contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------- run folder
+
+
+def format_summary(rows: list[dict]) -> str:
+    head = ["phase", "mesh", "steps", "train loss", "held-out loss", "perplexity", "tokens/s", "bytes read per rank"]
+    lines = [head]
+    for r in rows:
+        mb = " ".join(f"{b / 2**20:.1f}" for b in r["bytes_read"])
+        lines.append(
+            [
+                r["phase"],
+                r["mesh"],
+                f"{r['step_from']}-{r['step_to']}",
+                f"{r['train_loss']:.3f}",
+                f"{r['first_val_loss']:.3f} -> {r['val_loss']:.3f}",
+                f"{r['val_ppl']:.2f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{mb} MiB",
+            ]
+        )
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- the phase
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    topo = meshwise.init(args.mesh)
+    torch.manual_seed(args.seed)
+    L = resolve_layers(topo)
+    mesh_name = "x".join(f"{d}={s}" for d, s in topo.sizes.items())
+    run_dir = Path(args.run_dir or args.resume or "runs/gpt")
+    if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
+        raise MeshwiseError(
+            f"run folder {run_dir} already holds a run: pass --resume {run_dir} to continue it, "
+            "--overwrite to start afresh, or --run-dir elsewhere"
+        )
+    if args.resume and not (Path(args.resume) / "config.json").exists():
+        raise MeshwiseError(f"--resume {args.resume}: no config.json there; give the run folder of a training phase")
+    if args.overwrite and not args.resume and topo.rank == 0 and run_dir.exists():
+        shutil.rmtree(run_dir)
+    if topo.world_size > 1:
+        dist.barrier()
+
+    # ---- data and model size: from the options, or on --resume from the run folder's config
+    if args.resume:
+        saved = json.loads((Path(args.resume) / "config.json").read_text())
+        cfg = GPTConfig(**saved["model"])
+        for k in ("data_dir", "text", "tokens", "source_dir", "val_fraction", "eval_samples", "batch_size"):
+            setattr(args, k, saved["args"][k])
+    else:
+        cfg = GPTConfig(**{k: getattr(args, k) for k in MODEL_KEYS})
+    data_dir, meta = prepare_data(args, topo)
+    tp = topo.size(topo.replica_dims) if topo.replica_dims else 1
+    if not args.resume:
+        cfg.vocab_size = meta["vocab_size"] + (-meta["vocab_size"]) % tp  # padded ids never occur in the data
+    check_tp_degree(cfg, tp)
+    if topo.rank == 0 and not args.resume:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "args": vars(args)}, indent=1))
+
+    train_ds = L["ArrayDataset"](windows(data_dir / "train.npy", cfg.block_size))
+    val_ds = L["ArrayDataset"](windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
+    train_loader = L["mesh_dataloader"](train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed)
+    val_loader = L["mesh_dataloader"](val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval")
+
+    # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
+    model = GPT(cfg)
+    n_params = model.num_parameters()
+    model = L["parallelize"](model, topo, tp_plan=tp_plan(model), dp="fsdp", fsdp_units=Block)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
+    # Every row holds block_size target tokens: the loss is the mean over the global batch's tokens.
+    trainer = L["create_trainer"](
+        model,
+        optimizer,
+        token_loss,
+        topo,
+        grad_clip=args.grad_clip or None,
+        loss_weight="tokens",
+        step_context=lambda: loss_context(topo),
+    )
+    # The forward hook computes the per-token loss from the vocab-sharded logits under loss_parallel(), so the
+    # logits are never gathered; the metrics take the valid rows of that [B, T] loss and weigh every token once.
+    Perplexity = type("Perplexity", (L["MeanLoss"],), {"compute": lambda self: super(Perplexity, self).compute().exp()})
+    evaluator = L["create_evaluator"](
+        model,
+        topo,
+        metrics={"loss": L["MeanLoss"](), "perplexity": Perplexity()},
+        forward=lambda m, batch: per_token_loss(m(batch["input"]), batch["target"]),
+        select=lambda token_losses, batch: (token_losses,),
+    )
+    checkpointer = L["Checkpointer"](run_dir / "checkpoints", topo)
+    state_objects = {"model": model, "optimizer": optimizer, "engine": trainer, "loader": train_loader}
+    state_objects["scheduler"] = scheduler
+
+    start = 0
+    if args.resume:
+        source = checkpointer
+        if Path(args.resume).resolve() != run_dir.resolve():
+            source = L["Checkpointer"](Path(args.resume) / "checkpoints", topo)
+        source.load("latest", **state_objects)
+        start = trainer.state.iteration
+    logger = L["RunLogger"](run_dir, topo).attach(trainer, evaluators={"val": evaluator})
+    if topo.rank == 0:
+        print(
+            f"{'resume' if args.resume else 'train'} at {mesh_name} from step {start}: GPT {cfg.n_layer} layers x "
+            f"d_model {cfg.d_model} ({n_params / 1e6:.2f}M params); {meta['train_tokens']:,} train tokens, "
+            f"{len(val_ds)} held-out windows of {cfg.block_size}; global batch {args.batch_size}",
+            flush=True,
+        )
+
+    from ignite.engine import Events
+
+    phase = {"train_s": 0.0, "t0": 0.0, "losses": [], "val": []}
+    bar = None
+    if topo.rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, desc=f"{mesh_name} step", dynamic_ncols=True, file=sys.stdout)
+
+    def evaluate() -> float:
+        evaluator.run(val_loader)
+        if hasattr(model, "reshard"):
+            # FSDP2 keeps the root's parameters unsharded after a forward without backward; a checkpoint
+            # (and the optimizer) must see the sharded ones again.
+            model.reshard()
+        phase["val"].append(float(evaluator.state.metrics["loss"]))
+        return phase["val"][-1]
+
+    @trainer.on(Events.ITERATION_STARTED)
+    def _tick(engine):
+        phase["t0"] = time.perf_counter()
+
+    @trainer.on(Events.ITERATION_COMPLETED)
+    def _after_step(engine):
+        phase["train_s"] += time.perf_counter() - phase["t0"]
+        scheduler.step()
+        done = engine.state.iteration - start
+        phase["losses"].append(float(engine.state.output))
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{phase['losses'][-1]:.3f}", held_out=f"{phase['val'][-1]:.3f}")
+        if done % args.eval_every == 0 and done < args.steps:
+            evaluate()
+        if args.time_budget and done % 5 == 0:
+            elapsed = torch.tensor([phase["train_s"]])
+            if topo.world_size > 1:
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+            if elapsed.item() > args.time_budget:
+                engine.terminate()
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def _next_epoch(engine):
+        train_loader.set_epoch(engine.state.epoch)
+
+    evaluate()
+    trainer.run(train_loader, max_iters=start + args.steps)
+    end = trainer.state.iteration
+    if bar is not None:
+        bar.close()
+    evaluate()
+    checkpoint = checkpointer.save(end, **state_objects)
+
+    mine = int(train_loader.bytes_read) + int(val_loader.bytes_read)
+    bytes_read = [mine]
+    if topo.world_size > 1:
+        bytes_read = [0] * topo.world_size
+        dist.all_gather_object(bytes_read, mine)
+    last = phase["losses"][-10:] or [float("nan")]
+    row = {
+        "phase": "resume" if args.resume else "train",
+        "mesh": mesh_name,
+        "step_from": start,
+        "step_to": end,
+        "train_loss": sum(last) / len(last),
+        "first_val_loss": phase["val"][0],
+        "val_loss": phase["val"][-1],
+        "val_ppl": math.exp(phase["val"][-1]),
+        "tokens_per_s": (end - start) * args.batch_size * cfg.block_size / max(phase["train_s"], 1e-9),
+        "bytes_read": bytes_read,
+        "train_seconds": phase["train_s"],
+    }
+    logger.close()
+    if topo.rank == 0:
+        with open(run_dir / "summary.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        rows = [json.loads(x) for x in (run_dir / "summary.jsonl").read_text().splitlines() if x.strip()]
+        png = L["plot_run"](run_dir, run_dir / "loss.png")
+        print("\n" + format_summary(rows), flush=True)
+        print(
+            f"\nrun folder {run_dir}: metrics.jsonl, tensorboard/ (tensorboard --logdir {run_dir}), "
+            f"{Path(png).name}, checkpoint {checkpoint}",
+            flush=True,
+        )
+    meshwise.shutdown()
+    return row
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MeshwiseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
