@@ -117,7 +117,6 @@ def _max_diff(model: nn.Module, ref: dict) -> float:
 VARIANTS = [  # (name, grad_clip, accumulation_steps, momentum)
     ("clip", 0.3, 1, 0.9),
     ("accum2", None, 2, 0.0),
-    ("clip+accum2", 0.3, 2, 0.0),
 ]
 
 
