@@ -1,0 +1,59 @@
+"""Run under `meshwise run --max-restarts 1`: rank 1 SIGKILLs itself at iteration 6 of the first attempt
+(after the checkpoint of iteration 4); the restarted group resumes from `latest` and trains to iteration 10.
+
+Usage: fault_train.py ROOT LOG_DIR OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ckpt_common as cc  # noqa: E402
+
+import meshwise  # noqa: E402
+
+
+def _join_group(attempt: int) -> None:
+    """Join the default group through a store prefixed by the attempt.
+
+    Under torchrun the workers of every attempt share the agent's store; gloo's address keys of the killed
+    attempt are still there, so a restarted group would try to connect to dead processes.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    store, rank, world = next(dist.rendezvous("env://"))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"meshwise-attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+def main() -> None:
+    root, logs, out = sys.argv[1:4]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _join_group(attempt)
+    topo = meshwise.init()  # adopts the group made above
+    ck = meshwise.Checkpointer(root, topo, verbose=False)
+    resumed_from = ck.latest_step()
+    kill = 6 if attempt == 0 and topo.rank == 1 else None
+    result = cc.train(topo, root, stop_at=10, every=4, log=logs, kill_after=kill)
+    if topo.rank == 0:
+        np.savez(Path(out) / "final.npz", **result["state"])
+        (Path(out) / "attempts.json").write_text(json.dumps({"restart_count": attempt, "resumed_from": resumed_from}))
+    meshwise.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Checkpointer: same-mesh and other-mesh resume, atomicity under a killed rank, retention, async save, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshwise import testing
+from meshwise.testing import DistributedFailure, free_port, run_command, run_distributed
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = HERE / "ckpt_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import ckpt_common as cc  # noqa: E402
+
+# Every rank imports ignite and DCP (~3 s of CPU each on 2 cores): let the forkserver preload them when this
+# module is the first to start it (a no-op otherwise).
+for _name in ("ignite.engine", "torch.distributed.checkpoint", "torch.distributed.fsdp"):
+    if _name not in testing._PRELOAD:
+        testing._PRELOAD.append(_name)
+
+MESH = {"dp": 2, "tp": 2}
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file under root with its size and mtime: proves an error left nothing changed."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = Path(dirpath) / f
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _error(fn) -> str:
+    from meshwise.errors import CheckpointError
+
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("no CheckpointError")
+
+
+# --------------------------------------------------------------------------- launch 1: reference, save, async, errors
+
+
+def _async_retention(topo, root: str) -> dict:
+    import meshwise
+
+    model, opt = cc.build(topo)
+    scores = {1: 0.5, 2: 0.9, 3: 0.1, 4: 0.3, 5: 0.2}
+    current = {"score": 0.0}
+    ck = meshwise.Checkpointer(root, topo, keep_last=2, keep_best=1, score=lambda: current["score"], async_save=True)
+    x, y = cc.dataset()
+    saved, blocked = {}, []
+    for step in range(1, 6):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
+        opt.step()
+        saved[step] = cc.full_state(model, opt)
+        current["score"] = scores[step]
+        if step == 3 and topo.rank == 0:
+            (Path(root) / "step-99.tmp").mkdir()  # a stale folder of a crashed save
+        t = time.perf_counter()
+        ck.save(step, model=model, optimizer=opt)
+        blocked.append(time.perf_counter() - t)
+        # training goes on while the files are written: the checkpoint must hold the state at save()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    ck.wait()
+    steps = ck.steps()
+    latest = ck.latest_step()
+    loaded = {}
+    for step in (2, 5):
+        m2, o2 = cc.build(topo)
+        ck.load(step, model=m2, optimizer=o2)
+        loaded[step] = cc.max_diff(cc.full_state(m2, o2), saved[step])
+    ck.close()
+    return {"steps": steps, "latest": latest, "loaded": loaded, "stale": (Path(root) / "step-99.tmp").exists()}
+
+
+def _errors(topo, root: str) -> dict:
+    import meshwise
+    from meshwise.errors import CheckpointError
+
+    out: dict = {}
+    base = Path(root)
+    good = base / "good"
+    model, opt = cc.build(topo)
+    loader = cc.CursorBatches(topo)
+    ck = meshwise.Checkpointer(good, topo)
+    ck.save(1, model=model, optimizer=opt, loader=loader)
+
+    def copy(name: str, damage) -> meshwise.Checkpointer:
+        if topo.rank == 0:
+            shutil.copytree(good, base / name)
+            damage(base / name / "step-1")
+        topo.barrier()
+        return meshwise.Checkpointer(base / name, topo)
+
+    # a checkpoint of another model: other sizes, then other layer names
+    before = _tree(good)
+    wide, wide_opt = cc.build(topo, hidden=32)
+    out["shape"] = _error(lambda: ck.load(model=wide, optimizer=wide_opt))
+    out["shape_opt_fresh"] = len(wide_opt.state) == 0
+    other = torch.nn.Sequential(torch.nn.Linear(cc.D_IN, cc.D_OUT))
+    out["keys"] = _error(lambda: ck.load(model=other))
+    out["unchanged"] = _tree(good) == before
+
+    def truncate(path: Path) -> None:
+        shard = path / "__1_0.distcp"
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+
+    out["truncated"] = _error(lambda: copy("trunc", truncate).load(model=model, optimizer=opt))
+    out["missing_shard"] = _error(
+        lambda: copy("noshard", lambda p: (p / "__2_0.distcp").unlink()).load(model=model, optimizer=opt)
+    )
+    out["missing_meta"] = _error(lambda: copy("nometa", lambda p: (p / "meshwise.json").unlink()).load(model=model))
+    out["missing_dcp_meta"] = _error(lambda: copy("nodcp", lambda p: (p / ".metadata").unlink()).load(model=model))
+    notckpt = base / "notckpt"
+    if topo.rank == 0:
+        notckpt.mkdir()
+        (notckpt / "notes.txt").write_text("mine")
+    topo.barrier()
+    foreign = meshwise.Checkpointer(notckpt, topo)
+    out["not_folder_load"] = _error(lambda: foreign.load(model=model))
+    out["not_folder_save"] = _error(lambda: foreign.save(1, model=model))
+    out["not_folder_intact"] = sorted(os.listdir(notckpt)) == ["notes.txt"]
+    out["nothing"] = _error(lambda: meshwise.Checkpointer(base / "absent", topo).load(model=model))
+    out["no_step"] = _error(lambda: ck.load(7, model=model))
+    out["bad_object"] = _error(lambda: ck.save(2, model=model, thing=3))
+    out["orphan_optimizer"] = _error(lambda: ck.save(2, optimizer=opt))
+    out["absent_object"] = _error(lambda: ck.load(model=model, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2)))
+    try:
+        meshwise.Checkpointer(good, topo, keep_best=2)
+        out["keep_best_needs_score"] = ""
+    except CheckpointError as exc:
+        out["keep_best_needs_score"] = str(exc)
+    # the good checkpoint still loads after all that
+    ck.load(model=model, optimizer=opt, loader=loader)
+    out["good_steps"] = ck.steps()
+    return out
+
+
+def _phase_one(topo, root: str, async_root: str, err_root: str) -> dict:
+    ref = cc.train(topo, None, stop_at=10)
+    part = cc.train(topo, root, stop_at=5, every=5)
+    with open(Path(root) / "step-5" / "meshwise.json") as f:
+        meta = json.load(f)
+    return {
+        "ref": ref,
+        "part": part,
+        "meta": meta,
+        "async": _async_retention(topo, async_root),
+        "errors": _errors(topo, err_root),
+    }
+
+
+# --------------------------------------------------------------------------- launch 2: a rank killed while saving
+
+
+def _crash_while_saving(topo, root: str, state_file: str) -> None:
+    import meshwise
+
+    model, opt = cc.build(topo)
+    model.register_buffer("ballast", torch.zeros(1 << 21))  # 8 MiB per rank: the write takes a while
+    ck = meshwise.Checkpointer(root, topo)
+    x, y = cc.dataset()
+    for step in (4, 8):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
+        opt.step()
+        if step == 8 and topo.rank == 1:
+
+            def watch() -> None:
+                own = Path(root) / "step-8.tmp" / "__1_0.distcp"
+                while not own.exists():
+                    time.sleep(0.0002)
+                os.kill(os.getpid(), signal.SIGKILL)  # while this rank writes its shard
+
+            threading.Thread(target=watch, daemon=True).start()
+        ck.save(step, model=model, optimizer=opt)
+        full = cc.full_state(model, opt)
+        if step == 4 and topo.rank == 0:
+            np.savez(state_file, **full)
+    raise AssertionError("rank 1 should have died during the save of step 8")
+
+
+# --------------------------------------------------------------------------- launch 3: new processes, several meshes
+
+
+def _init(mesh: dict, port: int, world: int | None = None):
+    import meshwise
+
+    os.environ["MASTER_PORT"] = str(port)
+    if world is not None:
+        os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
+    return meshwise.init(mesh, timeout=30)
+
+
+def _other_mesh(topo, root: str, saved: dict) -> dict:
+    from ignite.engine import Engine, Events
+
+    import meshwise
+
+    model, opt = cc.build(topo)
+    loader = cc.CursorBatches(topo)
+    seen = []
+
+    def step(e, batch):
+        seen.append((e.state.epoch, e.state.iteration, batch["index"].tolist()))
+
+    engine = Engine(step)
+    ck = meshwise.Checkpointer(root, topo)
+    info = ck.load(5, model=model, optimizer=opt, loader=loader, engine=engine)
+    counters = (engine.state.epoch, engine.state.iteration)
+    rng = torch.rand(1).item()
+    diff = cc.max_diff(cc.full_state(model, opt), saved)
+    epochs = []
+    engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: epochs.append((e.state.epoch, e.state.iteration)))
+    engine.run(loader, max_epochs=1)  # the rest of the first epoch
+    return {
+        "diff": diff,
+        "seen": seen,
+        "counters": counters,
+        "epochs": epochs,
+        "rng": rng,
+        "info": (info.resharded, info.rng, info.message, info.saved_mesh, info.mesh),
+        "data_rank": topo.data_rank,
+        "data_size": topo.data_size,
+    }
+
+
+def _phase_two(root: str, crash_root: str, crash_state: str, ports: list[int], saved: dict) -> dict:
+    import meshwise
+
+    out: dict = {}
+    topo = _init(MESH, ports[0])
+    out["resume"] = cc.train(topo, root, stop_at=10, every=5)
+    ck = meshwise.Checkpointer(crash_root, topo)
+    out["crash_latest"] = ck.latest_step()
+    model, opt = cc.build(topo)
+    model.register_buffer("ballast", torch.zeros(1 << 21))
+    info = ck.load(model=model, optimizer=opt)
+    expected = dict(np.load(crash_state))
+    out["crash_diff"] = cc.max_diff(cc.full_state(model, opt), expected)
+    out["crash_loaded"] = info.step
+    ck.save(8, model=model, optimizer=opt)
+    out["crash_after"] = sorted(os.listdir(crash_root))
+    meshwise.shutdown()
+
+    for name, mesh, port in (("dp4", {"dp": 4}, ports[1]), ("tp4", {"dp": 1, "tp": 4}, ports[2])):
+        topo = _init(mesh, port)
+        out[name] = _other_mesh(topo, root, saved)
+        meshwise.shutdown()
+    if int(os.environ["RANK"]) == 0:
+        topo = _init({"dp": 1}, ports[3], world=1)
+        out["one"] = _other_mesh(topo, root, saved)
+        meshwise.shutdown()
+    return out
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    root, crash_root = base / "run", base / "crash"
+    one = run_distributed(
+        _phase_one, 4, str(root), str(base / "async"), str(base / "errors"), mesh=MESH, timeout=150, pg_timeout=60
+    )
+    crash_state = str(base / "crash-step4.npz")
+    with pytest.raises(DistributedFailure):  # rank 1 died; the others fail on the broken group
+        run_distributed(_crash_while_saving, 4, str(crash_root), crash_state, mesh=MESH, timeout=60, pg_timeout=20)
+    crash_listing = sorted(os.listdir(crash_root))
+    saved = one[0]["part"]["state"]
+    ports = [free_port() for _ in range(4)]
+    two = run_distributed(_phase_two, 4, str(root), str(crash_root), crash_state, ports, saved, timeout=150)
+    return {"one": one, "two": two, "crash_listing": crash_listing, "base": base}
+
+
+def test_same_mesh_resume_continues_exactly(runs):
+    for rank in range(4):
+        ref, part, res = runs["one"][rank]["ref"], runs["one"][rank]["part"], runs["two"][rank]["resume"]
+        assert cc.max_diff(ref["state"], res["state"]) <= 1e-6
+        assert part["seen"] + res["seen"] == ref["seen"]  # same batches, same epoch/iteration counters
+        assert [s[1] for s in res["seen"]] == [6, 7, 8, 9, 10]
+        assert (res["epoch"], res["iteration"]) == (ref["epoch"], ref["iteration"]) == (2, 10)
+
+
+def test_metadata_record(runs):
+    meta = runs["one"][0]["meta"]
+    assert meta["step"] == 5 and meta["world_size"] == 4
+    assert meta["mesh"] == {"dims": ["dp", "tp"], "sizes": [2, 2], "roles": {"dp": "batch", "tp": "replica"}}
+    assert meta["torch"] == torch.__version__ and meta["meshwise"]
+    assert {n: o["kind"] for n, o in meta["objects"].items()} == {
+        "model": "module",
+        "optimizer": "optimizer",
+        "loader": "state",
+        "engine": "state",
+    }
+
+
+@pytest.mark.parametrize("name", ["dp4", "tp4", "one"])
+def test_other_mesh_resume_reshards_and_continues_the_epoch(runs, name):
+    ranks = [r[name] for r in runs["two"] if name in r]
+    saved_indices = [i for r in runs["one"] for s in r["part"]["seen"] for i in s[2]]
+    perm = cc.permutation(0)
+    consumed = perm[: 5 * cc.GLOBAL_BATCH]
+    assert set(saved_indices) == set(consumed)
+    for r in ranks:
+        assert r["diff"] == 0.0  # model and Adam state equal the saved full state
+        resharded, rng, message, saved_mesh, mesh = r["info"]
+        assert resharded and rng == "re-derived" and saved_mesh == MESH
+        assert "dp=2 x tp=2" in message and "resharded" in message
+        assert r["counters"] == (0, 5)
+        assert [s[:2] for s in r["seen"]] == [(1, 6), (1, 7), (1, 8)] and r["epochs"] == [(1, 8)]
+    # the rest of the epoch: exactly the samples not yet consumed, in the same global order
+    for k in range(3):
+        by_data_rank = {r["data_rank"]: r["seen"][k][2] for r in ranks}
+        for r in ranks:
+            assert r["seen"][k][2] == by_data_rank[r["data_rank"]]  # replica ranks agree
+        step = [i for d in range(ranks[0]["data_size"]) for i in by_data_rank[d]]
+        assert step == perm[(5 + k) * cc.GLOBAL_BATCH : (6 + k) * cc.GLOBAL_BATCH]
+    # RNG re-derived per data rank: ranks holding the same samples share a stream
+    streams = {}
+    for r in ranks:
+        streams.setdefault(r["data_rank"], set()).add(r["rng"])
+    assert all(len(v) == 1 for v in streams.values()) and len({min(v) for v in streams.values()}) == len(streams)
+
+
+def test_crash_during_save_leaves_latest_loadable(runs):
+    listing = runs["crash_listing"]
+    assert "step-4" in listing and "step-8" not in listing and "step-8.tmp" in listing
+    two = runs["two"][0]
+    assert two["crash_latest"] == 4 and two["crash_loaded"] == 4 and two["crash_diff"] == 0.0
+    after = two["crash_after"]
+    assert "step-8" in after and "step-8.tmp" not in after and not any(n.endswith(".tmp") for n in after)
+
+
+def test_async_save_and_retention(runs):
+    for r in runs["one"]:
+        a = r["async"]
+        assert a["steps"] == [2, 4, 5]  # keep_last=2 (4, 5) and the best score (step 2)
+        assert a["latest"] == 5 and not a["stale"]
+        assert a["loaded"] == {2: 0.0, 5: 0.0}  # the state at save(), not the one modified after it
+
+
+def test_errors_name_the_file_and_change_nothing(runs):
+    errs = [r["errors"] for r in runs["one"]]
+    assert all(e == errs[0] for e in errs)  # every rank raised, with the same message
+    e = errs[0]
+    assert "another model" in e["shape"] and "shape mismatches" in e["shape"] and "fc1.weight" in e["shape"]
+    assert ".metadata" in e["shape"] and e["shape_opt_fresh"]
+    assert "missing keys" in e["keys"] and "model.0.weight" in e["keys"]
+    assert "unexpected keys" in e["keys"] and "model.fc1.weight" in e["keys"]
+    assert e["unchanged"]
+    assert "__1_0.distcp" in e["truncated"] and "truncated" in e["truncated"]
+    assert "__2_0.distcp" in e["missing_shard"] and "missing" in e["missing_shard"]
+    assert "meshwise.json" in e["missing_meta"] and "missing" in e["missing_meta"]
+    assert ".metadata" in e["missing_dcp_meta"]
+    assert "not a checkpoint folder" in e["not_folder_load"] and "notes.txt" in e["not_folder_load"]
+    assert "not a checkpoint folder" in e["not_folder_save"] and e["not_folder_intact"]
+    assert "no checkpoint folder" in e["nothing"]
+    assert "step-7" in e["no_step"] and "[1]" in e["no_step"]
+    assert "thing=int" in e["bad_object"]
+    assert "pass its model too" in e["orphan_optimizer"]
+    assert "scheduler" in e["absent_object"] and "engine" not in e["absent_object"]
+    assert "keep_best needs score" in e["keep_best_needs_score"]
+    assert e["good_steps"] == [1]
+
+
+def test_fault_restart_resumes_from_latest(runs):
+    """meshwise run --max-restarts 1: rank 1 is SIGKILLed after the checkpoint of iteration 4 (at 6)."""
+    base = runs["base"]
+    root, logs, out = base / "fault", base / "fault-logs", base / "fault-out"
+    logs.mkdir()
+    out.mkdir()
+    cmd = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", "4", "--max-restarts", "1"]
+    cmd += ["--monitor-interval", "0.2", "--mesh", "dp=2,tp=2", str(SCRIPTS / "fault_train.py")]
+    cmd += [str(root), str(logs), str(out)]
+    result = run_command(cmd, timeout=240)
+    ref = runs["one"][0]["ref"]
+    final = dict(np.load(out / "final.npz"))
+    assert cc.max_diff(final, ref["state"]) <= 1e-6, result.stdout[-3000:]
+    attempts = json.loads((out / "attempts.json").read_text())
+    assert attempts == {"restart_count": 1, "resumed_from": 4}
+    # each sample once per epoch across the restart: attempt 0 up to the checkpoint, then attempt 1
+    for rank in range(4):
+        rows = [json.loads(line) for line in (logs / f"rank-{rank}.jsonl").read_text().splitlines()]
+        first = [r for r in rows if r["attempt"] == 0]
+        second = [r for r in rows if r["attempt"] == 1]
+        assert [r["iteration"] for r in second] == [5, 6, 7, 8, 9, 10]
+        assert [r["iteration"] for r in first][:6] == [1, 2, 3, 4, 5, 6]
+        timeline = [r for r in first if r["iteration"] <= 4] + second
+        ref_rank = runs["one"][rank]["ref"]["seen"]
+        assert [[r["epoch"], r["iteration"], r["index"]] for r in timeline] == [list(s) for s in ref_rank]
+    per_epoch: dict[int, list[int]] = {}
+    for rank in (0, 2):  # the tp=0 rank of each data rank
+        for line in (logs / f"rank-{rank}.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if (r["attempt"] == 0 and r["iteration"] <= 4) or r["attempt"] == 1:
+                per_epoch.setdefault(r["epoch"], []).extend(r["index"])
+    assert sorted(per_epoch[1]) == list(range(cc.N_SAMPLES))  # epoch 1: every sample exactly once
+    assert len(per_epoch[2]) == len(set(per_epoch[2])) == 2 * cc.GLOBAL_BATCH
