@@ -33,46 +33,64 @@ def _batches(cfg: gpt.GPTConfig, steps: int) -> list[tuple[torch.Tensor, torch.T
     return out
 
 
-def _train_reference(model: torch.nn.Module, batches, lr: float) -> list[float]:
+def _train_reference(model: torch.nn.Module, batches, lr: float, clip: float | None = None) -> list[float]:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for x, y in batches:
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
     return losses
 
 
-def _equivalence_torch(topo, lr: float = 1e-3) -> dict:
-    """One process vs the TP plan (+ FSDP2 over dp) applied with torch's own APIs; all ranks compare."""
+def _max_diff(model: torch.nn.Module, reference: torch.nn.Module) -> float:
+    from torch.distributed.tensor import DTensor
+
+    ref = dict(reference.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        worst = max(worst, (got - ref[name].detach()).abs().max().item())
+    return worst
+
+
+def _equivalence(topo, lr: float = 1e-3, clip: float = 0.5) -> dict:
+    """One process vs the TP plan (+ FSDP2 over dp): applied with torch's own APIs, and through meshwise's
+    parallelize + create_trainer (token-weighted loss, loss_parallel step context, global-norm clipping)."""
     import torch.distributed as dist
+    from ignite.engine import Events
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-    cfg = gpt.GPTConfig(**TINY)
-    torch.manual_seed(0)
-    full = gpt.GPT(cfg)  # full weights under one seed, then shard (PITFALLS.md)
-    reference = copy.deepcopy(full)
-    batches = _batches(cfg, STEPS)
-    ref_losses = _train_reference(reference, batches, lr)
+    import meshwise
 
+    cfg = gpt.GPTConfig(**TINY)
+    batches = _batches(cfg, STEPS)
     tp = topo.sizes.get("tp", 1)
     gpt.check_tp_degree(cfg, tp)
-    model = full
+    dp = topo.data_size
+    b_local = GLOBAL_BATCH // dp
+    lo = topo.data_rank * b_local
+    out = {}
+
+    # 1. torch's own APIs.
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)  # full weights under one seed, then shard (PITFALLS.md)
+    reference = copy.deepcopy(model)
+    ref_losses = _train_reference(reference, batches, lr)
     if tp > 1:
         model = parallelize_module(model, topo.submesh("tp"), gpt.tp_plan(model))
-    dp = topo.data_size
     if dp > 1:
         dp_mesh = topo.submesh(topo.batch_dims)
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
-    b_local = GLOBAL_BATCH // dp
-    lo = topo.data_rank * b_local
     losses = []
     for x, y in batches:
         x, y = x[lo : lo + b_local], y[lo : lo + b_local]
@@ -86,20 +104,37 @@ def _equivalence_torch(topo, lr: float = 1e-3) -> dict:
             dist.all_reduce(value, group=topo.group(topo.batch_dims))
             value = value / dp
         losses.append(value.item())
-    ref = dict(reference.named_parameters())
-    worst = 0.0
-    for name, p in model.named_parameters():
-        got = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-        worst = max(worst, (got - ref[name].detach()).abs().max().item())
-    return {"max_param_diff": worst, "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses))}
+    out["max_param_diff"] = _max_diff(model, reference)
+    out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+
+    # 2. meshwise.parallelize + create_trainer, against one process with clipping.
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    reference = copy.deepcopy(model)
+    ref_losses = _train_reference(reference, batches, lr, clip=clip)
+    model = meshwise.parallelize(model, topo, tp_plan=gpt.tp_plan, dp="fsdp", fsdp_units=gpt.Block)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    trainer = meshwise.create_trainer(
+        model, opt, gpt.token_loss, topo, grad_clip=clip, loss_weight="tokens", step_context=loss_parallel
+    )
+    ones = torch.ones(b_local, dtype=torch.bool)
+    local = [{"input": x[lo : lo + b_local], "target": y[lo : lo + b_local], "valid": ones} for x, y in batches]
+    losses = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(e.state.output))
+    trainer.run(local, max_epochs=1)
+    out["trainer_max_param_diff"] = _max_diff(model, reference)
+    out["trainer_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+    out["clipped"] = getattr(trainer.state, "grad_norm", 0.0) > clip
+    return out
 
 
 @pytest.mark.parametrize("mesh", [{"dp": 2, "tp": 2}, {"tp": 4}])
 def test_tp_plan_matches_one_process(mesh):
-    results = run_distributed(_equivalence_torch, 4, mesh=mesh, timeout=90)
+    results = run_distributed(_equivalence, 4, mesh=mesh, timeout=90)
     for r in results:
-        assert r["max_param_diff"] <= 1e-5, (mesh, r)
-        assert r["loss_diff"] <= 1e-5, (mesh, r)
+        for key in ("max_param_diff", "loss_diff", "trainer_max_param_diff", "trainer_loss_diff"):
+            assert r[key] <= 1e-5, (mesh, key, r)
+        assert r["clipped"], r  # the clip was active, so the global-norm path was exercised
 
 
 # --------------------------------------------------------------------------- data preparation
