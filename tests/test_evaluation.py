@@ -1,0 +1,287 @@
+"""create_evaluator: every metric over the mesh equals the one-process metric over the whole dataset, any length."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MetricCollection, SumMetric
+from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassF1Score
+from torchmetrics.functional import mean_squared_error
+from torchmetrics.functional.classification import binary_auroc, multiclass_accuracy, multiclass_f1_score
+from torchmetrics.regression import MeanSquaredError
+
+import meshwise
+from meshwise import testing
+from meshwise.metrics import MeanLoss, MeshMetric, compute_all
+from meshwise.testing import run_distributed
+
+# Ranks fork from a forkserver that preloads torch; importing ignite and torchmetrics costs every rank seconds on a
+# loaded machine, so preload them too (no effect if another test module started the forkserver first).
+if testing._CTX is None:
+    testing._context().set_forkserver_preload(
+        [*testing._PRELOAD, "torchmetrics", "ignite.engine", "torch.distributed.tensor.parallel", "meshwise.evaluation"]
+    )
+
+LENGTHS = (1, 5, 7, 101)
+B_LOCAL = 4
+FEATURES, CELLS, CLASSES = 8, 8, 3
+
+COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
+
+
+class Counter:
+    """Counts torch.distributed collectives made while active (calls go through to torch unchanged)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> Counter:
+        for name in COUNTED:
+            real = getattr(dist, name)
+            self._saved[name] = real
+
+            def wrapper(*args, __real=real, __name=name, **kwargs):
+                self.calls.append(__name)
+                return __real(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def dataset(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + n)
+    x = torch.randn(n, FEATURES, generator=g, dtype=torch.float64)
+    return {
+        "input": x,
+        "target": torch.randint(0, CLASSES, (n,), generator=g),
+        "r": torch.randn(n, generator=g, dtype=torch.float64),
+        "field": torch.randn(n, CELLS, generator=g, dtype=torch.float64),
+        "field_target": torch.randn(n, CELLS, generator=g, dtype=torch.float64),
+    }
+
+
+def rank_batches(data: dict[str, torch.Tensor], topo, parts: dict[str, tuple[int, int]] | None = None):
+    """Exact-evaluation batches of this data rank: every sample once, zero-weight padding, same step count.
+
+    ``parts`` maps a field to (axis, pieces): split ranks get their piece along that per-sample axis.
+    """
+    n = len(data["input"])
+    global_batch = B_LOCAL * topo.data_size
+    steps = max(1, math.ceil(n / global_batch))
+    out = []
+    for s in range(steps):
+        idx = s * global_batch + topo.data_rank * B_LOCAL + torch.arange(B_LOCAL)
+        valid = idx < n
+        batch = {"valid": valid, "index": torch.where(valid, idx, -1)}
+        for k, v in data.items():
+            rows = v[idx.clamp(max=n - 1)].clone()
+            rows[~valid] = 0
+            if parts and k in parts:
+                axis, pieces = parts[k]
+                rows = rows.chunk(pieces, dim=axis + 1)[topo.coordinate(topo.split_dims)]
+            batch[k] = rows
+        out.append(batch)
+    return out
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 16, dtype=torch.float64)
+        self.fc2 = nn.Linear(16, CLASSES, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _reference(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:
+    with torch.no_grad():
+        logits = model(data["input"])
+    t = data["target"]
+    probs = logits.softmax(-1)
+    return {
+        "acc": multiclass_accuracy(logits, t, num_classes=CLASSES, average="micro").item(),
+        "f1": multiclass_f1_score(logits, t, num_classes=CLASSES, average="macro").item(),
+        "auroc": binary_auroc(probs[:, 1], (t == 1).long()).item() if len(t) > 1 else math.nan,
+        "mse": mean_squared_error(logits[:, 0], data["r"]).item(),
+        "count": float(len(t)),
+        "loss": F.cross_entropy(logits, t).item(),
+    }
+
+
+def _metrics(topo) -> dict:
+    def ones(output, batch):
+        return (torch.ones(output.shape[0]),)
+
+    return {
+        "cls": MetricCollection(  # a plain collection: create_evaluator wraps it
+            {"acc": MulticlassAccuracy(CLASSES, average="micro"), "f1": MulticlassF1Score(CLASSES, average="macro")}
+        ),
+        "mse": MeshMetric(MeanSquaredError(), topo, select=lambda o, b: (o[:, 0], b["r"])),
+        "count": MeshMetric(SumMetric(), topo, select=ones),
+        "loss": MeshMetric(MeanLoss(loss_fn=lambda p, t: F.cross_entropy(p, t, reduction="none")), topo),
+        "auroc": MeshMetric(BinaryAUROC(), topo, select=lambda o, b: (o.softmax(-1)[:, 1], (b["target"] == 1).long())),
+    }
+
+
+def _evaluate_mlp(topo) -> dict:
+    torch.manual_seed(0)
+    reference_model = MLP()
+    model = MLP()
+    model.load_state_dict(reference_model.state_dict())
+    if topo.size(topo.replica_dims) > 1:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        model = parallelize_module(
+            model, topo.submesh(topo.replica_dims), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
+    out = {"results": {}, "reference": {}}
+    for n in LENGTHS:
+        data = dataset(n)
+        evaluator = meshwise.create_evaluator(model, topo, metrics=_metrics(topo))
+        evaluator.run(rank_batches(data, topo))
+        out["results"][n] = dict(evaluator.state.metrics)
+        out["reference"][n] = _reference(reference_model, data)
+        if n == 101:
+            mesh_metrics = list(evaluator.mesh_metrics.values())
+            with Counter() as all_metrics:
+                again = compute_all(mesh_metrics)
+            recorded = [m.last_collectives for m in mesh_metrics]
+            sum_only = [m for name, m in evaluator.mesh_metrics.items() if name != "auroc"]
+            with Counter() as sums:
+                compute_all(sum_only)
+            out["collectives"] = (all_metrics.calls, sums.calls, recorded)
+            out["again_acc"] = again[0]["acc"].item()
+    out["training_restored"] = model.training
+    return out
+
+
+def _check(results: list[dict], metric_size: int) -> None:
+    for rank_out in results:
+        for n in LENGTHS:
+            got, ref = rank_out["results"][n], rank_out["reference"][n]
+            assert set(got) == {"acc", "f1", "auroc", "mse", "count", "loss"}, got
+            assert got["count"] == n  # not multiplied by the replica (TP) degree
+            for key, value in ref.items():
+                if key == "auroc" and n == 1:
+                    continue  # one sample has one class: AUROC is undefined in one process too
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (n, key, got[key], value)
+        assert all(r["results"] == results[0]["results"] for r in results)  # same on every rank
+        fused, sums, recorded = rank_out["collectives"]
+        if metric_size == 1:
+            assert fused == [] and sums == [] and recorded == [0] * 5
+        else:
+            assert fused == ["all_reduce", "all_gather"], fused  # AUROC's concatenated states need a gather
+            assert sums == ["all_reduce"], sums  # one fused collective for every sum-reducible state
+            assert recorded == [2] * 5
+        assert rank_out["again_acc"] == pytest.approx(rank_out["reference"][101]["acc"])
+        assert rank_out["training_restored"]
+
+
+@pytest.mark.parametrize(
+    ("nprocs", "mesh", "metric_size"),
+    [(3, {"dp": 3}, 3), (4, {"dp": 2, "tp": 2}, 2), (4, {"dp": 4}, 4), (4, {"tp": 4}, 1)],
+    ids=["dp3", "dp2xtp2", "dp4", "tp4"],
+)
+def test_evaluator_matches_one_process(nprocs, mesh, metric_size):
+    results = run_distributed(_evaluate_mlp, nprocs, mesh=mesh, timeout=120)
+    _check(results, metric_size)
+
+
+# --------------------------------------------------------------------------- split dims
+
+
+class SplitModel(nn.Module):
+    """A field model split over the cells: per-cell output, and per-sample logits summed over the split ranks."""
+
+    def __init__(self, topo=None) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.scale = nn.Parameter(torch.randn(CELLS, dtype=torch.float64))
+        self.head = nn.Parameter(torch.randn(CELLS, CLASSES, dtype=torch.float64))
+        self.topo = topo
+
+    def forward(self, field: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.topo is None:
+            scale, head = self.scale, self.head
+        else:
+            split = self.topo.split_dims
+            piece = self.topo.coordinate(split)
+            scale = self.scale.chunk(self.topo.size(split))[piece]
+            head = self.head.chunk(self.topo.size(split))[piece]
+        cells = torch.tanh(field * scale)
+        logits = cells @ head
+        if self.topo is not None:
+            dist.all_reduce(logits, group=self.topo.group(self.topo.split_dims))  # partial sums of the parts
+        return {"cells": cells, "logits": logits}
+
+
+def _evaluate_split(topo) -> dict:
+    model = SplitModel(topo)
+    reference_model = SplitModel()
+    out = {"results": {}, "reference": {}}
+    l1 = MeanLoss(loss_fn=lambda p, t: (p - t).abs())
+    for n in LENGTHS:
+        data = dataset(n)
+        metrics = {
+            # per-cell metrics: every split rank contributes its part of the field
+            "mse": MeshMetric(MeanSquaredError(), topo, select=lambda o, b: (o["cells"], b["field_target"])),
+            "cell_l1": MeshMetric(l1, topo, select=lambda o, b: (o["cells"], b["field_target"])),
+            # per-sample metrics: each split rank holds the full logits; the split leader counts the sample
+            "cls": MeshMetric(
+                MetricCollection(
+                    {
+                        "acc": MulticlassAccuracy(CLASSES, average="micro"),
+                        "f1": MulticlassF1Score(CLASSES, average="macro"),
+                    }
+                ),
+                topo,
+                split="leader",
+                select=lambda o, b: (o["logits"], b["target"]),
+            ),
+            "auroc": MeshMetric(
+                BinaryAUROC(),
+                topo,
+                split="leader",
+                select=lambda o, b: (o["logits"].softmax(-1)[:, 1], (b["target"] == 1).long()),
+            ),
+            "count": MeshMetric(SumMetric(), topo, split="leader", select=lambda o, b: (torch.ones(len(b["index"])),)),
+        }
+        evaluator = meshwise.create_evaluator(model, topo, metrics=metrics, forward=lambda m, b: m(b["field"]))
+        evaluator.run(rank_batches(data, topo, parts={"field": (0, 2), "field_target": (0, 2)}))
+        out["results"][n] = dict(evaluator.state.metrics)
+        with torch.no_grad():
+            ref = reference_model(data["field"])
+        t = data["target"]
+        out["reference"][n] = {
+            "mse": mean_squared_error(ref["cells"], data["field_target"]).item(),
+            "cell_l1": (ref["cells"] - data["field_target"]).abs().mean().item(),
+            "acc": multiclass_accuracy(ref["logits"], t, num_classes=CLASSES, average="micro").item(),
+            "f1": multiclass_f1_score(ref["logits"], t, num_classes=CLASSES, average="macro").item(),
+            "auroc": binary_auroc(ref["logits"].softmax(-1)[:, 1], (t == 1).long()).item() if n > 1 else math.nan,
+            "count": float(n),
+        }
+    return out
+
+
+def test_evaluator_split_dims_sum_parts_and_count_samples_once():
+    results = run_distributed(_evaluate_split, 4, mesh={"dp": 2, "cp": 2}, timeout=120)
+    for rank_out in results:
+        assert rank_out["results"] == results[0]["results"]
+        for n in LENGTHS:
+            got, ref = rank_out["results"][n], rank_out["reference"][n]
+            assert got["count"] == n  # the leader of each split group counts each sample once
+            for key, value in ref.items():
+                if key == "auroc" and n == 1:
+                    continue
+                assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (n, key, got[key], value)
