@@ -1,11 +1,12 @@
 """The meshwise demo: train the example GPT at dp=2 x tp=2, then resume its checkpoint at tp=4, and summarise.
 
-    python examples/gpt/demo.py                       # 4 CPU processes, about 3 minutes on 2 cores
+    python examples/gpt/demo.py                       # 4 CPU processes, at most about 4 minutes on 2 cores
     python examples/gpt/demo.py --nproc 8 --mesh dp=4,tp=2 --resume-mesh dp=2,tp=4
     python examples/gpt/demo.py -- --d-model 256 --n-layer 6 --text book.txt   # after --: train.py options
 
 Each phase is one ``meshwise run`` of examples/gpt/train.py; the run folder (default runs/gpt) is
-started afresh. Everything after ``--`` goes to the training phase (see ``train.py --help``).
+started afresh. Everything after ``--`` goes to train.py in both phases (see ``train.py --help``); on the
+resume the model size, data and batch size come from the run folder, so only run options matter there.
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mesh", default="dp=2,tp=2", help="mesh of the training phase (default dp=2,tp=2)")
     p.add_argument("--resume-mesh", default="tp=4", help="mesh of the resume phase (default tp=4)")
     p.add_argument("--steps", type=int, default=250, help="training steps (default 250, about 2 minutes on 2 cores)")
+    p.add_argument(
+        "--time-budget", type=float, default=120.0, help="stop training after this many seconds (default 120; 0: off)"
+    )
     p.add_argument("--resume-steps", type=int, default=30, help="steps after the resume (default 30)")
     p.add_argument("--run-dir", default="runs/gpt", help="run folder, started afresh (default runs/gpt)")
     a = p.parse_args(argv)
     started = time.perf_counter()
-    launch(a.nproc, a.mesh, ["--run-dir", a.run_dir, "--overwrite", "--steps", str(a.steps), *extra])
-    launch(a.nproc, a.resume_mesh, ["--resume", a.run_dir, "--steps", str(a.resume_steps)])
+    budget = ["--time-budget", str(a.time_budget)]
+    launch(a.nproc, a.mesh, ["--run-dir", a.run_dir, "--overwrite", "--steps", str(a.steps), *budget, *extra])
+    launch(a.nproc, a.resume_mesh, ["--resume", a.run_dir, "--steps", str(a.resume_steps), *extra])
     from train import format_summary
 
     rows = [json.loads(x) for x in (Path(a.run_dir) / "summary.jsonl").read_text().splitlines() if x.strip()]
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         f"the resume at {rows[-1]['mesh']} started from held-out loss {rows[-1]['first_val_loss']:.6f}, "
         f"the {rows[0]['mesh']} run ended at {rows[0]['val_loss']:.6f}"
     )
-    print(f"run folder {a.run_dir}: metrics.jsonl, tb/, loss.png, summary.jsonl, checkpoints/")
+    print(f"run folder {a.run_dir}: metrics.jsonl, tensorboard/, loss.png, summary.jsonl, checkpoints/")
 
 
 if __name__ == "__main__":
