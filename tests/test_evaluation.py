@@ -134,7 +134,7 @@ def _metrics(topo) -> dict:
     }
 
 
-def _evaluate_mlp(topo) -> dict:
+def _evaluate_mlp(topo, replica_check: bool = False) -> dict:
     torch.manual_seed(0)
     reference_model = MLP()
     model = MLP()
@@ -142,13 +142,13 @@ def _evaluate_mlp(topo) -> dict:
     if topo.size(topo.replica_dims) > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        model = parallelize_module(
-            model, topo.submesh(topo.replica_dims), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
-        )
+        plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        # every rank built the same full weights from one seed: no scatter from rank 0 needed
+        model = parallelize_module(model, topo.submesh(topo.replica_dims), plan, src_data_rank=None)
     out = {"results": {}, "reference": {}}
     for n in LENGTHS:
         data = dataset(n)
-        evaluator = meshwise.create_evaluator(model, topo, metrics=_metrics(topo))
+        evaluator = meshwise.create_evaluator(model, topo, metrics=_metrics(topo), replica_check=replica_check)
         evaluator.run(rank_batches(data, topo))
         out["results"][n] = dict(evaluator.state.metrics)
         out["reference"][n] = _reference(reference_model, data)
@@ -166,7 +166,7 @@ def _evaluate_mlp(topo) -> dict:
     return out
 
 
-def _check(results: list[dict], metric_size: int) -> None:
+def _check(results: list[dict], metric_size: int, replica_check: bool) -> None:
     for rank_out in results:
         for n in LENGTHS:
             got, ref = rank_out["results"][n], rank_out["reference"][n]
@@ -181,21 +181,22 @@ def _check(results: list[dict], metric_size: int) -> None:
         if metric_size == 1:
             assert fused == [] and sums == [] and recorded == [0] * 5
         else:
-            assert fused == ["all_reduce", "all_gather"], fused  # AUROC's concatenated states need a gather
-            assert sums == ["all_reduce"], sums  # one fused collective for every sum-reducible state
-            assert recorded == [2] * 5
+            check = ["all_gather"] if replica_check else []  # the replica check of "cls": one more gather
+            assert fused == ["all_reduce", "all_gather", *check], fused  # AUROC's concatenated states: a gather
+            assert sums == ["all_reduce", *check], sums  # one fused collective for every sum-reducible state
+            assert recorded == [2 + len(check)] * 5
         assert rank_out["again_acc"] == pytest.approx(rank_out["reference"][101]["acc"])
         assert rank_out["training_restored"]
 
 
 @pytest.mark.parametrize(
-    ("nprocs", "mesh", "metric_size"),
-    [(3, {"dp": 3}, 3), (4, {"dp": 2, "tp": 2}, 2), (4, {"dp": 4}, 4), (4, {"tp": 4}, 1)],
+    ("nprocs", "mesh", "metric_size", "replica_check"),
+    [(3, {"dp": 3}, 3, False), (4, {"dp": 2, "tp": 2}, 2, True), (4, {"dp": 4}, 4, False), (4, {"tp": 4}, 1, False)],
     ids=["dp3", "dp2xtp2", "dp4", "tp4"],
 )
-def test_evaluator_matches_one_process(nprocs, mesh, metric_size):
-    results = run_distributed(_evaluate_mlp, nprocs, mesh=mesh, timeout=120)
-    _check(results, metric_size)
+def test_evaluator_matches_one_process(nprocs, mesh, metric_size, replica_check):
+    results = run_distributed(_evaluate_mlp, nprocs, replica_check, mesh=mesh, timeout=120)
+    _check(results, metric_size, replica_check)
 
 
 # --------------------------------------------------------------------------- split dims

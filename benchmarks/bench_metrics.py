@@ -1,0 +1,140 @@
+"""Collectives and time per compute() of 5 metrics: meshwise's fused sync against torchmetrics syncing each metric.
+
+Runs 4 gloo processes (mesh dp=4). Both sides get the same updates; the collectives are counted by wrapping
+``torch.distributed``'s functions (calls go through unchanged). Final line:
+``RESULT collectives=… naive_collectives=… time_ratio=…`` (time_ratio = torchmetrics time / meshwise time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> Counter:
+        for name in COUNTED:
+            real = getattr(dist, name)
+            self._saved[name] = real
+
+            def wrapper(*args, __real=real, **kwargs):
+                self.calls += 1
+                return __real(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def _five(**kw):
+    from torchmetrics import SumMetric
+    from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassF1Score
+    from torchmetrics.regression import MeanSquaredError
+
+    return {
+        "acc": MulticlassAccuracy(10, **kw),
+        "f1": MulticlassF1Score(10, average="macro", **kw),
+        "mse": MeanSquaredError(**kw),
+        "count": SumMetric(**kw),
+        "auroc": BinaryAUROC(**kw),
+    }
+
+
+def _update(metrics, batch) -> None:
+    logits, labels, values, targets = batch
+    metrics["acc"].update(logits, labels)
+    metrics["f1"].update(logits, labels)
+    metrics["mse"].update(values, targets)
+    metrics["count"].update(torch.ones(len(labels)))
+    metrics["auroc"].update(logits.softmax(-1)[:, 1], (labels == 1).long())
+
+
+def _bench(topo, iters: int, rows: int) -> dict:
+    from meshwise.metrics import attach, compute_all
+
+    group = topo.group(topo.metric_dims)
+    ours = {k: attach(m, topo, name=k) for k, m in _five().items()}
+    naive = _five(process_group=group)
+    g = torch.Generator().manual_seed(topo.rank)
+    times: dict[str, list[float]] = {"meshwise": [], "sum_only": [], "naive": []}
+    calls: dict[str, int] = {}
+    for it in range(iters + 2):  # two warm-up rounds
+        n = rows + topo.rank  # uneven per-rank sizes, as in exact evaluation
+        batch = (
+            torch.randn(n, 10, generator=g),
+            torch.randint(0, 10, (n,), generator=g),
+            torch.randn(n, generator=g),
+            torch.randn(n, generator=g),
+        )
+        for m in ours.values():
+            m.reset()
+        for m in naive.values():
+            m.reset()
+        _update(ours, batch)
+        _update(naive, batch)
+        for side in ("meshwise", "sum_only", "naive"):
+            dist.barrier(group=group)
+            with Counter() as counter:
+                start = time.perf_counter()
+                if side == "meshwise":
+                    mine = compute_all(list(ours.values()))
+                elif side == "sum_only":
+                    compute_all([m for k, m in ours.items() if k != "auroc"])
+                else:
+                    theirs = [m.compute() for m in naive.values()]
+                elapsed = time.perf_counter() - start
+            if it >= 2:
+                times[side].append(elapsed)
+            calls[side] = counter.calls
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(torch.as_tensor(a).double(), torch.as_tensor(b).double(), rtol=1e-5, atol=1e-6)
+    return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=256, help="rows per rank per update")
+    parser.add_argument("--nprocs", type=int, default=4)
+    args = parser.parse_args()
+    from meshwise.testing import run_distributed
+
+    results = run_distributed(
+        _bench, args.nprocs, args.iters, args.rows, mesh={"dp": args.nprocs}, timeout=300, pg_timeout=60
+    )
+    calls = results[0]["calls"]
+    # the slowest rank decides when a compute is done everywhere
+    median = {k: max(r["median"][k] for r in results) for k in results[0]["median"]}
+    print(
+        f"mesh dp={args.nprocs}, {args.iters} computes of 5 metrics (acc, f1, mse, count, auroc), "
+        f"{args.rows}+ rows per rank"
+    )
+    print(f"  meshwise     : {calls['meshwise']:3d} collectives, {median['meshwise'] * 1e3:8.2f} ms per compute")
+    print(
+        f"  meshwise sums: {calls['sum_only']:3d} collectives, {median['sum_only'] * 1e3:8.2f} ms (4 metrics, no AUROC)"
+    )
+    print(f"  torchmetrics : {calls['naive']:3d} collectives, {median['naive'] * 1e3:8.2f} ms per compute")
+    ratio = median["naive"] / median["meshwise"]
+    print(
+        f"RESULT collectives={calls['meshwise']} naive_collectives={calls['naive']} time_ratio={ratio:.2f} "
+        f"sum_only_collectives={calls['sum_only']}"
+    )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
