@@ -240,8 +240,12 @@ class MeshMetric:
     def _adopt(self, leaf: Metric) -> None:
         own = leaf.process_group
         if own is not None and (self.group is None or own is not self.group):
+            try:
+                described = f"a group of ranks {dist.get_process_group_ranks(own)}"
+            except (RuntimeError, ValueError, AttributeError):
+                described = repr(own)
             raise MetricError(
-                f"metric {type(leaf).__name__} was built with process_group={own!r}, which is not this topology's "
+                f"metric {type(leaf).__name__} was built with process_group= {described}, which is not this topology's "
                 f"metric group over {self.dims or '()'}: build it without process_group, meshwise picks the group "
                 "from the roles (or pass dims= to choose other batch/split dims)"
             )
