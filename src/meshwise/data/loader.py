@@ -1,0 +1,246 @@
+"""The topology-aware data loader: sampler + per-rank sample parts + a read strategy for replica groups.
+
+Each step this rank's local indices are read (only the rank's part of every field, halo included) into one
+flat byte buffer, optionally in ``torch.utils.data.DataLoader`` workers; the main process then runs the read
+strategy's collective on that buffer and hands out a dict batch of views into it. The cursor advances in the
+main process when a batch is handed out, so ``state_dict()`` never counts batches that were only prefetched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from meshwise.data.parts import FieldPart, Replicate, Shard, as_dtensor, resolve_part
+from meshwise.data.sampler import MeshSampler
+from meshwise.data.sources import ArrayDataset, torch_dtype
+from meshwise.errors import DataError
+
+READS = ("each", "broadcast", "scatter")
+_ALIGN = 64
+
+
+class _BatchReader:
+    """Reads a list of rows (``-1`` = padding, at the end) into one byte buffer; picklable for workers."""
+
+    def __init__(self, dataset: ArrayDataset, parts: Mapping[str, FieldPart]) -> None:
+        self.dataset = dataset
+        self.parts = dict(parts)
+        self.dtypes = {n: torch_dtype(dataset.sources[n].dtype) for n in parts}
+        self.row_bytes = {n: math.prod(p.shape) * self.dtypes[n].itemsize for n, p in self.parts.items()}
+
+    def layout(self, rows: int) -> tuple[dict[str, int], int]:
+        offsets, total = {}, 0
+        for name in self.parts:
+            offsets[name] = total
+            total += -(-rows * self.row_bytes[name] // _ALIGN) * _ALIGN
+        return offsets, total
+
+    def unpack(self, buffer: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
+        """Views of each field ``[rows, *part shape]`` inside ``buffer`` (no copy)."""
+        offsets, _ = self.layout(rows)
+        out = {}
+        for name, part in self.parts.items():
+            raw = buffer[offsets[name] : offsets[name] + rows * self.row_bytes[name]]
+            out[name] = raw.view(self.dtypes[name]).view(rows, *part.shape)
+        return out
+
+    def __getitem__(self, rows_indices: np.ndarray) -> tuple[torch.Tensor, int]:
+        rows = len(rows_indices)
+        _, total = self.layout(rows)
+        buffer = torch.empty(total, dtype=torch.uint8)
+        valid = int(np.count_nonzero(rows_indices >= 0))
+        idx = rows_indices[:valid]
+        if np.any(rows_indices[valid:] >= 0):
+            raise DataError("internal: padded rows must come last in a batch")
+        nbytes = 0
+        for name, field in self.unpack(buffer, rows).items():
+            if valid:
+                nbytes += self.dataset.sources[name].read(idx, self.parts[name].region, field[:valid])
+            if valid < rows:
+                field[valid:].zero_()  # padded rows carry zeros, never stale memory
+        return buffer, nbytes
+
+    def __len__(self) -> int:  # DataLoader asks; items are index arrays, not positions
+        return 0
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class MeshDataLoader:
+    """Iterate dict batches for this rank: fields ``[B_local, *part shape]``, ``valid`` (bool), ``index`` (int64).
+
+    Build it with :func:`mesh_dataloader`. ``len()`` is the number of steps in an epoch (the same on every
+    rank); ``state_dict()`` is the global cursor of :class:`MeshSampler`; ``bytes_read`` counts the bytes this
+    rank read from storage for the batches handed out; ``parts[name]`` says where each field's part sits.
+    """
+
+    def __init__(
+        self,
+        dataset: ArrayDataset | Mapping[str, Any],
+        topology: Any,
+        *,
+        global_batch_size: int,
+        mode: str = "train",
+        seed: int = 0,
+        drop_last: bool = True,
+        parts: Mapping[str, Shard | Replicate | list[Shard]] | None = None,
+        read: str = "each",
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: Any = None,
+    ) -> None:
+        if not isinstance(dataset, ArrayDataset):
+            dataset = ArrayDataset(dataset)
+        if read not in READS:
+            raise DataError(f"read must be one of {READS}, got {read!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        self.dataset, self.topology = dataset, topology
+        self.sampler = MeshSampler.from_topology(
+            topology, len(dataset), global_batch_size, mode=mode, seed=seed, drop_last=drop_last
+        )
+        parts = dict(parts or {})
+        unknown = sorted(set(parts) - set(dataset.names))
+        if unknown:
+            raise DataError(f"parts names field(s) {unknown} that the dataset lacks; its fields are {dataset.names}")
+        split = {d: (topology.coordinate(d), topology.size(d)) for d in topology.split_dims}
+        self.parts: dict[str, FieldPart] = {
+            n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split) for n in dataset.names
+        }
+        replica = topology.replica_dims
+        self.replica_size = topology.size(replica) if replica else 1
+        self.replica_rank = topology.coordinate(replica) if replica else 0
+        self.read = read if self.replica_size > 1 else "each"
+        self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self._reader = _BatchReader(dataset, self.parts)
+        self.bytes_read = 0
+
+    # ---- sizes and state
+    @property
+    def local_batch_size(self) -> int:
+        return self.sampler.local_batch_size
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.sampler.load_state_dict(state)
+
+    def as_dtensor(self, tensor: torch.Tensor, name: str) -> Any:
+        """Field ``name`` of a batch as a DTensor over the split dims (halo stripped; no communication)."""
+        return as_dtensor(tensor, self.parts[name], self.topology)
+
+    # ---- reading
+    def _read_items(self, plan: list[np.ndarray]) -> list[np.ndarray] | None:
+        """What this rank reads for each step: its rows (each), all rows (broadcast leader), 1/k (scatter)."""
+        if self.read == "broadcast" and self.replica_rank != 0:
+            return None
+        if self.read != "scatter":
+            return plan
+        rows = -(-self.local_batch_size // self.replica_size)
+        items = []
+        for local in plan:
+            chunk = local[self.replica_rank * rows : (self.replica_rank + 1) * rows]
+            items.append(np.concatenate([chunk, np.full(rows - len(chunk), -1, dtype=np.int64)]))
+        return items
+
+    def _buffers(self, items: list[np.ndarray] | None, steps: int) -> Iterator[tuple[torch.Tensor | None, int]]:
+        if items is None:
+            yield from ((None, 0) for _ in range(steps))
+        elif self.num_workers == 0:
+            yield from (self._reader[i] for i in items)
+        else:
+            loader = torch.utils.data.DataLoader(
+                self._reader,
+                batch_size=None,
+                sampler=items,
+                num_workers=self.num_workers,
+                collate_fn=_identity,
+                prefetch_factor=self.prefetch_factor,
+                multiprocessing_context=self.multiprocessing_context,
+            )
+            yield from loader
+
+    def _share(self, buffer: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        b = self.local_batch_size
+        if self.read == "each":
+            return self._reader.unpack(buffer, b)
+        group = self.topology.group(self.topology.replica_dims)
+        if self.read == "broadcast":
+            if buffer is None:
+                buffer = torch.empty(self._reader.layout(b)[1], dtype=torch.uint8)
+            dist.broadcast(buffer, src=self._replica_ranks[0], group=group)
+            return self._reader.unpack(buffer, b)
+        rows = -(-b // self.replica_size)
+        gathered = [torch.empty_like(buffer) for _ in range(self.replica_size)]
+        dist.all_gather(gathered, buffer, group=group)
+        chunks = [self._reader.unpack(g, rows) for g in gathered]
+        return {n: torch.cat([c[n] for c in chunks])[:b] for n in self.parts}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        plan = self.sampler.plan()
+        for local, (buffer, nbytes) in zip(plan, self._buffers(self._read_items(plan), len(plan))):
+            batch = self._share(buffer)
+            batch["valid"] = torch.from_numpy(local >= 0)
+            batch["index"] = torch.from_numpy(local.copy())
+            self.bytes_read += nbytes
+            self.sampler.advance()  # the cursor counts batches handed out, not batches prefetched
+            yield batch
+
+    def __repr__(self) -> str:
+        return (
+            f"MeshDataLoader({len(self.dataset)} samples, global batch {self.sampler.global_batch_size}, "
+            f"local {self.local_batch_size}, mode {self.sampler.mode!r}, read {self.read!r}, {len(self)} steps)"
+        )
+
+
+def mesh_dataloader(
+    dataset: ArrayDataset | Mapping[str, Any],
+    topology: Any,
+    *,
+    global_batch_size: int,
+    mode: str = "train",
+    seed: int = 0,
+    drop_last: bool = True,
+    parts: Mapping[str, Shard | Replicate | list[Shard]] | None = None,
+    read: str = "each",
+    num_workers: int = 0,
+    **kwargs: Any,
+) -> MeshDataLoader:
+    """A loader that gives this rank ``global_batch_size // topology.data_size`` samples a step, parts only.
+
+    ``mode="train"``: a permutation per (seed, epoch), last partial batch dropped or (``drop_last=False``)
+    padded; ``mode="eval"``: every sample exactly once, padded rows have ``valid=False`` and ``index=-1``.
+    ``parts`` maps a field to ``Shard(axis, halo)``/``Replicate()`` over the split dims; ``read`` picks who
+    reads in a replica group: ``"each"``, ``"broadcast"`` (the leader reads) or ``"scatter"`` (1/k each).
+    ``num_workers > 0`` reads in DataLoader worker processes (``prefetch_factor``, ``multiprocessing_context``
+    are passed through).
+    """
+    return MeshDataLoader(
+        dataset,
+        topology,
+        global_batch_size=global_batch_size,
+        mode=mode,
+        seed=seed,
+        drop_last=drop_last,
+        parts=parts,
+        read=read,
+        num_workers=num_workers,
+        **kwargs,
+    )
