@@ -1,7 +1,7 @@
-"""A tiny language model trained under ``meshwise run`` by tests/test_engine.py: vocab-sharded head with
-loss_parallel, a prepare hook, token weighting with ignored targets, rank-0 progress bar and logs.
+"""A tiny language model trained by tests/test_engine.py (or by hand under ``meshwise run``): vocab-sharded
+head with loss_parallel, a prepare hook, token weighting with ignored targets, rank-0 progress bar and logs.
 
-Usage: meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 tests/engine_script.py RUN_DIR
+By hand: meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 tests/engine_script.py RUN_DIR
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def main(run_dir: str) -> None:
+def train(topo: meshwise.Topology, run_dir: str) -> dict:
+    """Train on ``topo``, logging to ``run_dir``; returns the comparison with a one-process run."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
-    topo = meshwise.init()
     setup_logging(topo)
     torch.manual_seed(0)
     full = TinyLM()
@@ -116,8 +116,9 @@ def main(run_dir: str) -> None:
     )
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     say(f"CHECK rank={topo.rank} param_diff={diff:.3g} loss_diff={loss_diff:.3g} losses={losses}")
-    meshwise.shutdown()
+    return {"bar": bar is not None, "param_diff": diff, "loss_diff": loss_diff, "losses": losses}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    train(meshwise.init(), sys.argv[1])
+    meshwise.shutdown()

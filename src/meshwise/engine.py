@@ -190,7 +190,7 @@ def create_trainer(
         rows = _rows(batch, input_key)
         micros = _split(batch, rows, accumulation_steps)
         optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros(2, dtype=torch.float64, device=device)  # [count, sum of loss * count]
+        local_count, loss_sum = 0.0, None
         for j, micro in enumerate(micros):
             n = _rows(micro, input_key)
             valid = micro.get("valid")
@@ -212,40 +212,47 @@ def create_trainer(
                         f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
                         "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
                     )
-                (loss * (count * data_parallel / reference[0])).backward()
+                scale = count * data_parallel / reference[0]
+                (loss if scale == 1.0 else loss * scale).backward()
             if count:
-                total[0] += count
-                total[1] += _local_value(loss).to(torch.float64) * count
+                local_count += count
+                weighted = _local_value(loss).double() * count
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         grads = [p.grad for p in params if p.grad is not None]
         if max_norm is not None and not math.isinf(norm_type):
             # One reduction for count, loss and the norm: every entry is divided by its number of copies.
-            vec = torch.cat([total / replica_copies, local_norm_contribution(grads, topo, norm_type).reshape(1)])
+            norm_part = local_norm_contribution(grads, topo, norm_type)
+            vec = torch.stack([loss_sum.new_tensor(local_count) / replica_copies, loss_sum / replica_copies, norm_part])
             if topo.world_size > 1:
                 dist.all_reduce(vec)
+            count, loss_total, norm_power = vec.tolist()
         else:
-            vec = total
             if metric_group is not None:
+                vec = torch.stack([loss_sum.new_tensor(local_count), loss_sum])
                 dist.all_reduce(vec, group=metric_group)
+                count, loss_total = vec.tolist()
+            else:
+                count, loss_total = local_count, loss_sum.item()
             if max_norm is not None:
-                peak = local_norm_contribution(grads, topo, norm_type).reshape(1)
+                peak = local_norm_contribution(grads, topo, norm_type)
                 if topo.world_size > 1:
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-                vec = torch.cat([vec, peak])
-        values = vec.tolist()
-        count, loss_sum = values[0], values[1]
+                norm_power = peak.item()
         if count <= 0:
             engine.state.global_count = 0.0
             return math.nan
         factor = reference[0] / count
         if max_norm is not None:
-            norm = (values[2] if math.isinf(norm_type) else values[2] ** (1.0 / norm_type)) * factor
+            norm = (norm_power if math.isinf(norm_type) else max(norm_power, 0.0) ** (1.0 / norm_type)) * factor
             engine.state.grad_norm = norm
             factor *= clip_coefficient(norm, max_norm)
         scale_grads(grads, factor)
         reference[0] = count
         optimizer.step()
         engine.state.global_count = count
-        return loss_sum / count
+        return loss_total / count
 
     engine = Engine(step)
     engine.topology = topo  # type: ignore[attr-defined]
