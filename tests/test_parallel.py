@@ -67,18 +67,37 @@ def tp_plan() -> dict:
     }
 
 
-def global_batches() -> list[dict[str, torch.Tensor]]:
-    """Five global batches; the fourth has its last three rows padded (valid False, garbage values)."""
+SAMPLES = STEPS * GLOBAL_BATCH - 3  # the last global batch has 3 padded rows (valid False)
+
+
+def dataset() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
+    return {"input": torch.randn(SAMPLES, T, D, generator=g), "target": torch.randn(SAMPLES, T, OUT, generator=g)}
+
+
+def loader(topo):
+    """meshwise.data's loader: shuffled, the short last batch padded (valid False) on the last data ranks."""
+    from meshwise.data import ArrayDataset, mesh_dataloader
+
+    return mesh_dataloader(
+        ArrayDataset(dataset()), topo, global_batch_size=GLOBAL_BATCH, mode="train", seed=0, drop_last=False
+    )
+
+
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    """The loader's global batches, for the one-process reference; padded rows hold garbage."""
+    from meshwise.data import MeshSampler
+
+    data = dataset()
+    sampler = MeshSampler(SAMPLES, GLOBAL_BATCH, mode="train", seed=0, drop_last=False)
     out = []
     for step in range(STEPS):
-        x = torch.randn(GLOBAL_BATCH, T, D, generator=g)
-        y = torch.randn(GLOBAL_BATCH, T, OUT, generator=g)
-        valid = torch.ones(GLOBAL_BATCH, dtype=torch.bool)
-        if step == 3:
-            valid[-3:] = False
-            x[-3:] = 1e3  # would wreck the step if it were not excluded
-        out.append({"input": x, "target": y, "valid": valid})
+        idx = torch.from_numpy(sampler.global_batch(step * GLOBAL_BATCH))
+        valid = idx >= 0
+        batch = {k: v[idx.clamp(min=0)] for k, v in data.items()}
+        batch["input"][~valid] = 1e3  # would wreck the step if it were not excluded
+        out.append({**batch, "valid": valid})
+    assert int((~out[-1]["valid"]).sum()) == 3
     return out
 
 
@@ -137,7 +156,9 @@ def _equivalence(topo, dp_modes: list[str]) -> dict:
             trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo, grad_clip=clip, accumulation_steps=accum)
             losses = []
             trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e, out=losses: out.append(e.state.output))
-            trainer.run([local_batch(topo, b) for b in global_batches()], max_epochs=1)
+            data = loader(topo)
+            assert len(data) == STEPS
+            trainer.run(data, max_epochs=1)
             assert all(isinstance(x, float) for x in losses)
             results[f"{dp}/{name}"] = {
                 "param_diff": _max_diff(model, ref_params),
