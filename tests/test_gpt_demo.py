@@ -84,9 +84,10 @@ def test_demo_trains_evaluates_checkpoints_and_resumes_at_tp4(tmp_path):
     assert abs(resumed["first_val_loss"] - first["val_loss"]) <= 1e-5, rows
     assert first["val_loss"] < first["first_val_loss"] - 0.2, rows  # it learns, even in 6 steps
     assert resumed["val_loss"] < first["val_loss"], rows
-    for r in rows:
-        assert len(r["bytes_read"]) == 4 and all(b > 0 for b in r["bytes_read"]), r
-        assert r["tokens_per_s"] > 0
+    # read="broadcast": only the first rank of each tensor-parallel group reads from storage.
+    assert [b > 0 for b in first["bytes_read"]] == [True, False, True, False], first
+    assert [b > 0 for b in resumed["bytes_read"]] == [True, False, False, False], resumed
+    assert all(r["tokens_per_s"] > 0 for r in rows)
 
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["tag"] == "train"] == list(range(1, 10))

@@ -34,7 +34,11 @@ from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan  #
 from prepare import prepare  # noqa: E402
 
 import meshwise  # noqa: E402
+from meshwise.data import ArrayDataset, mesh_dataloader  # noqa: E402
 from meshwise.errors import MeshwiseError  # noqa: E402
+from meshwise.handlers import RunLogger  # noqa: E402
+from meshwise.metrics import MeanLoss  # noqa: E402
+from meshwise.plot import plot_run  # noqa: E402
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "d_model")
 
@@ -51,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--tokens", default=None, help="train on this 1-D .npy of token ids instead")
     data.add_argument("--source-dir", default=None, help="a folder of .py files instead of the standard library")
     data.add_argument("--val-fraction", type=float, default=0.05)
+    data.add_argument(
+        "--read",
+        default="broadcast",
+        choices=("each", "broadcast", "scatter"),
+        help="how a tensor-parallel group gets its shared batch: every rank reads it, one reads and broadcasts "
+        "(default), or each reads 1/tp and they all-gather",
+    )
     model = p.add_argument_group("model (ignored with --resume: the run folder's config is used)")
     model.add_argument("--d-model", type=int, default=128)
     model.add_argument("--n-layer", type=int, default=4)
@@ -73,35 +84,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# --------------------------------------------------------------------------- layers (real, or the stand-in)
-
-
-def resolve_layers(topo) -> dict:
-    """The meshwise layers this script uses; a layer that has not landed comes from standin.py (said on rank 0)."""
-    import standin
-
-    found, missing = {}, []
-    for name, module, attr in [
-        ("ArrayDataset", "meshwise.data", "ArrayDataset"),
-        ("mesh_dataloader", "meshwise.data", "mesh_dataloader"),
-        ("parallelize", "meshwise.parallel", "parallelize"),
-        ("create_trainer", "meshwise.engine", "create_trainer"),
-        ("create_evaluator", "meshwise.evaluation", "create_evaluator"),
-        ("Checkpointer", "meshwise.checkpoint", "Checkpointer"),
-        ("RunLogger", "meshwise.handlers", "RunLogger"),
-        ("plot_run", "meshwise.plot", "plot_run"),
-        ("MeanLoss", "meshwise.metrics", "MeanLoss"),
-    ]:
-        try:
-            found[name] = getattr(__import__(module, fromlist=[attr]), attr)
-        except (ImportError, AttributeError):
-            found[name] = getattr(standin, attr)
-            missing.append(f"{module}.{attr}")
-    if missing and topo.rank == 0:
-        print(f"note: using examples/gpt/standin.py for {', '.join(missing)} (not landed yet)", flush=True)
-    return found
-
-
 # --------------------------------------------------------------------------- data
 
 
@@ -115,6 +97,18 @@ def windows(tokens_path: Path, block_size: int, limit: int = 0) -> dict[str, np.
         raise MeshwiseError(f"{tokens_path} holds {len(tokens)} tokens, fewer than one window of {block_size + 1}")
     w = tokens[: n * (block_size + 1)].reshape(n, block_size + 1)  # still a memmap view: nothing read yet
     return {"input": w[:, :-1], "target": w[:, 1:]}
+
+
+class Perplexity(MeanLoss):
+    """exp of the token-weighted mean loss."""
+
+    def compute(self) -> torch.Tensor:
+        return super().compute().exp()
+
+
+def as_token_ids(batch: dict) -> dict:
+    """Byte tokens arrive as uint8 (as stored); embeddings and cross-entropy want int64 ids."""
+    return {**batch, "input": batch["input"].long(), "target": batch["target"].long()}
 
 
 def prepare_data(args: argparse.Namespace, topo) -> tuple[Path, dict]:
@@ -157,11 +151,19 @@ def loss_context(topo):
 # --------------------------------------------------------------------------- run folder
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
 def format_summary(rows: list[dict]) -> str:
     head = ["phase", "mesh", "steps", "train loss", "held-out loss", "perplexity", "tokens/s", "bytes read per rank"]
     lines = [head]
     for r in rows:
-        mb = " ".join(f"{b / 2**20:.1f}" for b in r["bytes_read"])
+        mb = ", ".join(_size(b) for b in r["bytes_read"])
         lines.append(
             [
                 r["phase"],
@@ -171,11 +173,11 @@ def format_summary(rows: list[dict]) -> str:
                 f"{r['first_val_loss']:.3f} -> {r['val_loss']:.3f}",
                 f"{r['val_ppl']:.2f}",
                 f"{r['tokens_per_s']:,.0f}",
-                f"{mb} MiB",
+                mb,
             ]
         )
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    out = ["  ".join(c.ljust(w) for c, w in zip(x, widths)) for x in lines]
+    out = ["  ".join(c.ljust(w) for c, w in zip(x, widths)).rstrip() for x in lines]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)
 
@@ -187,7 +189,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     topo = meshwise.init(args.mesh)
     torch.manual_seed(args.seed)
-    L = resolve_layers(topo)
     mesh_name = "x".join(f"{d}={s}" for d, s in topo.sizes.items())
     run_dir = Path(args.run_dir or args.resume or "runs/gpt")
     if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
@@ -219,15 +220,17 @@ def main(argv: list[str] | None = None) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "args": vars(args)}, indent=1))
 
-    train_ds = L["ArrayDataset"](windows(data_dir / "train.npy", cfg.block_size))
-    val_ds = L["ArrayDataset"](windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
-    train_loader = L["mesh_dataloader"](train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed)
-    val_loader = L["mesh_dataloader"](val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval")
+    train_ds = ArrayDataset(windows(data_dir / "train.npy", cfg.block_size))
+    val_ds = ArrayDataset(windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
+    train_loader = mesh_dataloader(
+        train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read
+    )
+    val_loader = mesh_dataloader(val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval", read=args.read)
 
     # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
     model = GPT(cfg)
     n_params = model.num_parameters()
-    model = L["parallelize"](model, topo, tp_plan=tp_plan(model), dp="fsdp", fsdp_units=Block)
+    model = meshwise.parallelize(model, topo, tp_plan=tp_plan(model), dp="fsdp", fsdp_units=Block)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
     # Every row holds block_size target tokens: the loss is the mean over the global batch's tokens.
-    trainer = L["create_trainer"](
+    trainer = meshwise.create_trainer(
         model,
         optimizer,
         token_loss,
@@ -245,18 +248,19 @@ def main(argv: list[str] | None = None) -> dict:
         grad_clip=args.grad_clip or None,
         loss_weight="tokens",
         step_context=lambda: loss_context(topo),
+        prepare=as_token_ids,
     )
     # The forward hook computes the per-token loss from the vocab-sharded logits under loss_parallel(), so the
     # logits are never gathered; the metrics take the valid rows of that [B, T] loss and weigh every token once.
-    Perplexity = type("Perplexity", (L["MeanLoss"],), {"compute": lambda self: super(Perplexity, self).compute().exp()})
-    evaluator = L["create_evaluator"](
+    evaluator = meshwise.create_evaluator(
         model,
         topo,
-        metrics={"loss": L["MeanLoss"](), "perplexity": Perplexity()},
+        metrics={"loss": MeanLoss(), "perplexity": Perplexity()},
         forward=lambda m, batch: per_token_loss(m(batch["input"]), batch["target"]),
         select=lambda token_losses, batch: (token_losses,),
+        prepare=as_token_ids,
     )
-    checkpointer = L["Checkpointer"](run_dir / "checkpoints", topo)
+    checkpointer = meshwise.Checkpointer(run_dir / "checkpoints", topo)
     state_objects = {"model": model, "optimizer": optimizer, "engine": trainer, "loader": train_loader}
     state_objects["scheduler"] = scheduler
 
@@ -264,10 +268,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.resume:
         source = checkpointer
         if Path(args.resume).resolve() != run_dir.resolve():
-            source = L["Checkpointer"](Path(args.resume) / "checkpoints", topo)
+            source = meshwise.Checkpointer(Path(args.resume) / "checkpoints", topo)
         source.load("latest", **state_objects)
         start = trainer.state.iteration
-    logger = L["RunLogger"](run_dir, topo).attach(trainer, evaluators={"val": evaluator})
+    logger = RunLogger(run_dir, topo).attach(trainer, evaluators={"val": evaluator})
     if topo.rank == 0:
         print(
             f"{'resume' if args.resume else 'train'} at {mesh_name} from step {start}: GPT {cfg.n_layer} layers x "
@@ -352,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
         with open(run_dir / "summary.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         rows = [json.loads(x) for x in (run_dir / "summary.jsonl").read_text().splitlines() if x.strip()]
-        png = L["plot_run"](run_dir, run_dir / "loss.png")
+        png = plot_run(run_dir, run_dir / "loss.png")
         print("\n" + format_summary(rows), flush=True)
         print(
             f"\nrun folder {run_dir}: metrics.jsonl, tensorboard/ (tensorboard --logdir {run_dir}), "
