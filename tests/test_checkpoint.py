@@ -113,6 +113,7 @@ def _errors(topo, root: str) -> dict:
         return meshwise.Checkpointer(base / name, topo)
 
     # a checkpoint of another model: other sizes, then other layer names
+    assert ck.latest_step() == 1  # rank 0 has also finished moving 'latest'
     before = _tree(good)
     wide, wide_opt = cc.build(topo, hidden=32)
     out["shape"] = _error(lambda: ck.load(model=wide, optimizer=wide_opt))
@@ -261,6 +262,7 @@ def _phase_two(root: str, crash_root: str, crash_state: str, ports: list[int], s
     out["crash_diff"] = cc.max_diff(cc.full_state(model, opt), expected)
     out["crash_loaded"] = info.step
     ck.save(8, model=model, optimizer=opt)
+    ck.close()  # old folders are deleted in the background
     out["crash_after"] = sorted(os.listdir(crash_root))
     meshwise.shutdown()
 

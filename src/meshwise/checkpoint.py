@@ -81,15 +81,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def _write_file(path: Path, text: str, fsync: bool = True) -> None:
     """Write a small file so that readers see either the old or the new content, never a torn one."""
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "w") as f:
         f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    if fsync:
+        _fsync_dir(path.parent)
 
 
 def _digest(state: Any) -> str | None:
@@ -112,6 +114,18 @@ def _kind(obj: Any) -> str:
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
         return "state"
     return ""
+
+
+def _reshard(model: nn.Module) -> None:
+    """FSDP2 leaves the root's parameters unsharded after a forward without backward (an evaluation): the
+    state dict must see the sharded ones."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _tensor_shape(value: Any) -> tuple[int, ...] | None:
@@ -175,6 +189,11 @@ class Checkpointer:
         self._pending_step: int | None = None
         self._last_saved: int | None = None
         self._group = None
+        self._reapers: list[threading.Thread] = []
+        self._finalizer: threading.Thread | None = None
+        self._stager: Any = None
+        self._finalize_error: BaseException | None = None
+        self._trash_count = 0
         if self.async_save and dist.is_initialized():
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
             self._group = dist.new_group(backend="gloo", timeout=topo.timeout)
@@ -194,6 +213,10 @@ class Checkpointer:
         result: list[Any] = [None]
         if self._rank == 0:
             try:
+                self._join()
+                error, self._finalize_error = self._finalize_error, None
+                if error is not None:
+                    raise error
                 result = [("ok", fn())]
             except MeshwiseError as exc:
                 result = [("error", type(exc).__name__, str(exc))]
@@ -331,6 +354,7 @@ class Checkpointer:
             if name in skip:
                 continue
             if kind == "module":
+                _reshard(objects[name])
                 state[name] = get_model_state_dict(objects[name])
             elif kind == "optimizer":
                 state[name] = get_optimizer_state_dict(objects[owners[name]], objects[name])
@@ -379,7 +403,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             marker = self.root / MARKER
             if not marker.exists():
-                _write_atomic(marker, json.dumps({"format": FORMAT, "version": FORMAT_VERSION}) + "\n")
+                _write_file(marker, json.dumps({"format": FORMAT, "version": FORMAT_VERSION}) + "\n")
             if tmp.exists():
                 shutil.rmtree(tmp)  # a stale folder of a save of this step that crashed
             (tmp / OBJECTS_DIR).mkdir(parents=True)
@@ -427,10 +451,18 @@ class Checkpointer:
         }
         state = self._dcp_state(objects, kinds, owners, skip=fresh)
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
 
         if self.async_save and meta["dcp"]:
             try:
-                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._group)
+                if self._stager is None:
+                    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                    # one stager for every save: it keeps its CPU buffers, so staging is a copy, not an allocation
+                    self._stager = DefaultStager(StagingOptions(False, False, False, False))
+                future = dcp.async_save(
+                    state, checkpoint_id=str(tmp), async_stager=self._stager, process_group=self._group
+                )
             except Exception as exc:
                 raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
             self._pending_step = step
@@ -441,10 +473,10 @@ class Checkpointer:
         else:
             if meta["dcp"]:
                 try:
-                    dcp.save(state, checkpoint_id=str(tmp))
+                    dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=False))
                 except Exception as exc:
                     raise CheckpointError(f"saving {tmp} failed: {exc}. 'latest' is untouched") from exc
-            self._commit(step, tmp, meta, group=None)
+            self._commit(step, tmp, meta, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
         self._last_saved = step
         return self.step_path(step)
 
@@ -476,30 +508,34 @@ class Checkpointer:
                 future.result()
             except Exception as exc:
                 raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
-            self._commit(step, tmp, meta, group=self._group)
+            self._commit(step, tmp, meta, group=self._group, defer=False)  # DCP already synced its files
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
             self._pending_error = exc
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], group: Any) -> None:
-        """After every rank wrote its part: rank 0 writes the metadata, renames, moves ``latest``, prunes."""
+    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], group: Any, *, defer: bool) -> None:
+        """After every rank wrote its part, rank 0 writes the metadata and renames ``step-N.tmp`` to ``step-N``.
+
+        Then ``latest`` moves, once the files are on disk (fsync), and old checkpoints are pruned. With ``defer``
+        that second half runs in a thread of rank 0, so the training loop does not wait for the disk: until it
+        is done ``latest`` still names the previous checkpoint, which is whole.
+        """
         self._barrier(group, f"saving checkpoint step {step} into {tmp}")
         error = None
         if self._rank == 0:
             try:
-                _write_atomic(tmp / META, json.dumps(meta, indent=1) + "\n")
+                _write_file(tmp / META, json.dumps(meta, indent=1) + "\n", fsync=not defer)
                 final = self.step_path(step)
-                old = None
+                trash = []
                 if final.exists():  # the same step saved again (e.g. after resuming from an older one)
-                    old = self.root / f"step-{step}.replaced.tmp"
-                    if old.exists():
-                        shutil.rmtree(old)
-                    os.rename(final, old)
+                    trash.append(self._to_trash(final))
                 os.rename(tmp, final)
-                _fsync_dir(self.root)
-                _write_atomic(self.root / LATEST, f"step-{step}\n")
-                if old is not None:
-                    shutil.rmtree(old, ignore_errors=True)
-                self._prune(step)
+                if defer:
+                    self._finalizer = threading.Thread(
+                        target=self._finalize, args=(step, final, trash, True), name=f"meshwise-ckpt-latest-{step}"
+                    )
+                    self._finalizer.start()
+                else:
+                    self._finalize(step, final, trash, False)
             except Exception as exc:  # noqa: BLE001
                 error = f"{type(exc).__name__}: {exc}"
         if self._world > 1:
@@ -509,13 +545,63 @@ class Checkpointer:
         if error:
             raise CheckpointError(f"committing checkpoint step {step} under {self.root} failed on rank 0: {error}")
 
-    def _prune(self, newest: int) -> None:
-        """Retention and stale-folder cleaning, on rank 0 after a successful commit."""
-        for entry in self.root.iterdir():
-            if _TMP_DIR.match(entry.name) and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-        if self.keep_last is None and self.keep_best is None:
+    def _finalize(self, step: int, final: Path, trash: list[Path], threaded: bool) -> None:
+        """Rank 0: make ``final`` durable, point ``latest`` at it, prune; in a thread, errors wait for the next call."""
+        try:
+            if threaded:
+                for dirpath, _, files in os.walk(final):
+                    for name in files:
+                        fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                    _fsync_dir(Path(dirpath))
+            _fsync_dir(self.root)
+            _write_file(self.root / LATEST, f"step-{step}\n")
+            self._discard(trash + self._prune(step))
+        except BaseException as exc:
+            if not threaded:
+                raise
+            self._finalize_error = CheckpointError(
+                f"finishing checkpoint {final} failed on rank 0 ({type(exc).__name__}: {exc}); 'latest' still names "
+                "the previous checkpoint"
+            )
+
+    def _join(self) -> None:
+        """Wait for this rank's background work of the previous save (async write, or rank 0's finalizer)."""
+        thread, self._pending = self._pending, None
+        if thread is not None:
+            thread.join()
+        thread, self._finalizer = self._finalizer, None
+        if thread is not None:
+            thread.join()
+
+    def _to_trash(self, path: Path) -> Path:
+        """Rename a folder out of the way (atomic), so that a crash leaves a stale ``.tmp``, never a half folder."""
+        self._trash_count += 1
+        doomed = self.root / f"{path.name.split('.')[0]}.trash-{os.getpid()}-{self._trash_count}.tmp"
+        os.rename(path, doomed)
+        return doomed
+
+    def _discard(self, paths: list[Path]) -> None:
+        """Delete renamed folders in the background: deleting files is slow and nobody waits for it."""
+        if not paths:
             return
+        thread = threading.Thread(
+            target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], name="meshwise-ckpt-prune"
+        )
+        thread.start()
+        self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
+
+    def _prune(self, newest: int) -> list[Path]:
+        """Retention and stale-folder cleaning, on rank 0 after a successful commit; returns folders to delete."""
+        trash = []
+        for entry in self.root.iterdir():
+            if _TMP_DIR.match(entry.name) and entry.is_dir() and ".trash-" not in entry.name:
+                trash.append(self._to_trash(entry))
+        if self.keep_last is None and self.keep_best is None:
+            return trash
         records = {}
         for step, path in self._committed().items():
             try:
@@ -531,18 +617,15 @@ class Checkpointer:
             sign = -1.0 if self.mode == "max" else 1.0
             ranked = sorted(scored, key=lambda s: (sign * records[s]["score"], -s))
             keep.update(ranked[: self.keep_best or 1])  # the best one is never deleted
-        for step in records:
-            if step in keep:
-                continue
-            doomed = self.root / f"step-{step}.deleting.tmp"
-            os.rename(self.step_path(step), doomed)  # atomic: a crash leaves a stale .tmp, never a half folder
-            shutil.rmtree(doomed, ignore_errors=True)
+        trash += [self._to_trash(self.step_path(step)) for step in records if step not in keep]
+        return trash
 
     def wait(self) -> None:
-        """Wait for a pending async save to be written and committed; raises its error, if any."""
-        thread, self._pending = self._pending, None
-        if thread is not None:
-            thread.join()
+        """Wait for a pending async save to be written and committed; raises its error, if any.
+
+        Rank 0's error of a deferred ``latest`` update is raised on every rank by the next save/load/close.
+        """
+        self._join()
         error, self._pending_error = self._pending_error, None
         self._pending_step = None
         if error is not None:
@@ -551,8 +634,15 @@ class Checkpointer:
             raise CheckpointError(f"async checkpoint failed: {type(error).__name__}: {error}") from error
 
     def close(self) -> None:
-        """Wait for a pending async save; call before ``meshwise.shutdown()``."""
+        """Wait for a pending async save (and old folders being deleted); call before ``meshwise.shutdown()``."""
         self.wait()
+        self._on_rank0(lambda: None)  # raises, on every rank, an error rank 0 had finishing the last save
+        for thread in self._reapers:
+            thread.join()
+        self._reapers = []
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def __enter__(self) -> Checkpointer:
         return self
