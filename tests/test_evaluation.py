@@ -28,7 +28,7 @@ if testing._CTX is None:
     )
 
 LENGTHS = (1, 5, 7, 101)
-B_LOCAL = 4
+B_LOCAL = 4  # rows per rank and step; 12 for the long dataset, to keep its step count small
 FEATURES, CELLS, CLASSES = 8, 8, 3
 
 COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
@@ -76,11 +76,12 @@ def rank_batches(data: dict[str, torch.Tensor], topo, parts: dict[str, tuple[int
     ``parts`` maps a field to (axis, pieces): split ranks get their piece along that per-sample axis.
     """
     n = len(data["input"])
-    global_batch = B_LOCAL * topo.data_size
+    b_local = B_LOCAL if n < 100 else 3 * B_LOCAL
+    global_batch = b_local * topo.data_size
     steps = max(1, math.ceil(n / global_batch))
     out = []
     for s in range(steps):
-        idx = s * global_batch + topo.data_rank * B_LOCAL + torch.arange(B_LOCAL)
+        idx = s * global_batch + topo.data_rank * b_local + torch.arange(b_local)
         valid = idx < n
         batch = {"valid": valid, "index": torch.where(valid, idx, -1)}
         for k, v in data.items():

@@ -196,7 +196,8 @@ class MeshMetric:
     ``replica_check`` (default: the ``MESHWISE_DEBUG`` environment variable) verifies after ``compute()``
     that ranks along replica dims hold equal values (relative tolerance ``replica_rtol``), with one
     all-gather over the replica group; off, it costs nothing. ``select(output, batch)`` tells
-    :func:`meshwise.create_evaluator` which arguments to pass to ``update``.
+    :func:`meshwise.create_evaluator` which arguments to pass to ``update``. ``last_collectives`` is the
+    number of collectives the last ``compute()`` made (a metric left to torchmetrics' own sync counts once).
     """
 
     def __init__(
@@ -355,17 +356,19 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
                 if _is_fused(leaf)
                 for attr in leaf._defaults
             ]
-            try:
-                merged, count = _fused_sync(topo, dims, group, entries, names)
-            except (CollectiveTimeout, RuntimeError, dist.DistError) as exc:
-                raise _failure(topo, dims, f"computing metrics [{names}]", exc) from exc
+            merged: list[Any] = []
+            if entries:
+                try:
+                    merged, count = _fused_sync(topo, dims, group, entries)
+                except (CollectiveTimeout, dist.DistError) as exc:
+                    raise _failure(topo, dims, f"computing metrics [{names}]", exc) from exc
             by_leaf: dict[int, dict[str, Any]] = {}
             for entry, value in zip(entries, merged):
                 by_leaf.setdefault(id(entry.leaf), {})[entry.attr] = value
             for leaf in leaves:
                 if id(leaf) in by_leaf:
                     _set_synced(leaf, by_leaf[id(leaf)])
-            count += sum(1 for leaf in leaves if not _is_fused(leaf))  # at least one each, by torchmetrics
+            count += sum(1 for leaf in leaves if not _is_fused(leaf))  # torchmetrics' own sync: counted once
         try:
             with warnings.catch_warnings():
                 # ranks without a valid row never called update(); their synced states are the global ones
@@ -390,7 +393,7 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
             try:
                 with guarded(topo, stage, "metric result broadcast"):
                     dist.broadcast_object_list(payload, group=topo.group(stage), group_src=topo.size(stage) - 1)
-            except (CollectiveTimeout, RuntimeError, dist.DistError) as exc:
+            except (CollectiveTimeout, dist.DistError) as exc:
                 raise _failure(topo, stage, f"sending metrics [{names}] from the last stage", exc) from exc
             results = payload[0]
             count += 1
@@ -439,7 +442,7 @@ def _code(dtype: torch.dtype) -> int:
 
 
 def _fused_sync(
-    topo: Topology, dims: tuple[str, ...], group: dist.ProcessGroup, entries: list[_Entry], names: str
+    topo: Topology, dims: tuple[str, ...], group: dist.ProcessGroup, entries: list[_Entry]
 ) -> tuple[list[Any], int]:
     """Reduce every entry's state over ``group``: one all-reduce, plus one all-gather if a state concatenates.
 
@@ -599,7 +602,7 @@ def _replica_check(metrics: list[MeshMetric], results: list[Any]) -> int:
     try:
         with guarded(topo, dims, "metric replica check", tensor=vector):
             dist.all_gather(received, vector, group=group)
-    except (CollectiveTimeout, RuntimeError, dist.DistError) as exc:
+    except (CollectiveTimeout, dist.DistError) as exc:
         raise _failure(topo, dims, "checking metrics across replica dims", exc) from exc
     table = torch.stack(received).cpu()  # [replica rank, value]
     ranks = topo.group_ranks(dims)
