@@ -232,8 +232,8 @@ def test_dp2_tp2_fsdp_and_replicate_match_one_process_and_bad_input_fails():
 
 @pytest.mark.parametrize("mesh", [{"dp": 4}, {"tp": 4}])
 def test_dp4_and_tp4_match_one_process(mesh):
-    modes = ["fsdp", "replicate"] if "dp" in mesh else ["fsdp"]
-    _check(run_distributed(_equivalence, 4, modes, mesh=mesh, timeout=150))
+    # dp="replicate" is covered beside TP at dp=2 x tp=2; at tp=4 there is no data parallel to apply
+    _check(run_distributed(_equivalence, 4, ["fsdp"], mesh=mesh, timeout=150))
 
 
 def _one_process(topo) -> dict:
