@@ -17,6 +17,7 @@ from torchmetrics.regression import MeanSquaredError
 
 import meshwise
 from meshwise import testing
+from meshwise.data import ArrayDataset, Shard, mesh_dataloader
 from meshwise.metrics import MeanLoss, MeshMetric, compute_all
 from meshwise.testing import run_distributed
 
@@ -24,7 +25,14 @@ from meshwise.testing import run_distributed
 # loaded machine, so preload them too (no effect if another test module started the forkserver first).
 if testing._CTX is None:
     testing._context().set_forkserver_preload(
-        [*testing._PRELOAD, "torchmetrics", "ignite.engine", "torch.distributed.tensor.parallel", "meshwise.evaluation"]
+        [
+            *testing._PRELOAD,
+            "torchmetrics",
+            "ignite.engine",
+            "torch.distributed.tensor.parallel",
+            "meshwise.evaluation",
+            "meshwise.data",
+        ]
     )
 
 LENGTHS = (1, 5, 7, 101)
@@ -70,29 +78,16 @@ def dataset(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def rank_batches(data: dict[str, torch.Tensor], topo, parts: dict[str, tuple[int, int]] | None = None):
-    """Exact-evaluation batches of this data rank: every sample once, zero-weight padding, same step count.
+def eval_loader(data: dict[str, torch.Tensor], topo, parts=None):
+    """meshwise.data's exact evaluation: every sample once, zero-weight padding, the same step count everywhere."""
+    b_local = B_LOCAL if len(data["input"]) < 100 else 3 * B_LOCAL
+    return mesh_dataloader(
+        ArrayDataset(data), topo, global_batch_size=b_local * topo.data_size, mode="eval", parts=parts
+    )
 
-    ``parts`` maps a field to (axis, pieces): split ranks get their piece along that per-sample axis.
-    """
-    n = len(data["input"])
-    b_local = B_LOCAL if n < 100 else 3 * B_LOCAL
-    global_batch = b_local * topo.data_size
-    steps = max(1, math.ceil(n / global_batch))
-    out = []
-    for s in range(steps):
-        idx = s * global_batch + topo.data_rank * b_local + torch.arange(b_local)
-        valid = idx < n
-        batch = {"valid": valid, "index": torch.where(valid, idx, -1)}
-        for k, v in data.items():
-            rows = v[idx.clamp(max=n - 1)].clone()
-            rows[~valid] = 0
-            if parts and k in parts:
-                axis, pieces = parts[k]
-                rows = rows.chunk(pieces, dim=axis + 1)[topo.coordinate(topo.split_dims)]
-            batch[k] = rows
-        out.append(batch)
-    return out
+
+def real_rows(loader) -> int:
+    return sum(int(batch["valid"].sum()) for batch in loader)
 
 
 class MLP(nn.Module):
@@ -103,6 +98,25 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class ManualTensorParallelMLP(nn.Module):
+    """The same MLP split Megatron-style by hand: fc1 by output features, fc2 by input features, one all-reduce."""
+
+    def __init__(self, full: MLP, topo) -> None:
+        super().__init__()
+        dims = topo.replica_dims
+        k, i = topo.size(dims), topo.coordinate(dims)
+        self.w1 = nn.Parameter(full.fc1.weight.detach().chunk(k, 0)[i].clone())
+        self.b1 = nn.Parameter(full.fc1.bias.detach().chunk(k)[i].clone())
+        self.w2 = nn.Parameter(full.fc2.weight.detach().chunk(k, 1)[i].clone())
+        self.b2 = nn.Parameter(full.fc2.bias.detach().clone())
+        self.group = topo.group(dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = torch.tanh(x @ self.w1.T + self.b1) @ self.w2.T
+        dist.all_reduce(partial, group=self.group)  # every TP rank must run the forward, or this hangs
+        return partial + self.b2
 
 
 def _reference(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -135,12 +149,14 @@ def _metrics(topo) -> dict:
     }
 
 
-def _evaluate_mlp(topo, replica_check: bool = False) -> dict:
+def _evaluate_mlp(topo, replica_check: bool = False, dtensor: bool = False) -> dict:
     torch.manual_seed(0)
     reference_model = MLP()
     model = MLP()
     model.load_state_dict(reference_model.state_dict())
-    if topo.size(topo.replica_dims) > 1:
+    if topo.size(topo.replica_dims) > 1 and not dtensor:
+        model = ManualTensorParallelMLP(model, topo)
+    elif topo.size(topo.replica_dims) > 1:
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
@@ -150,7 +166,9 @@ def _evaluate_mlp(topo, replica_check: bool = False) -> dict:
     for n in LENGTHS:
         data = dataset(n)
         evaluator = meshwise.create_evaluator(model, topo, metrics=_metrics(topo), replica_check=replica_check)
-        evaluator.run(rank_batches(data, topo))
+        loader = eval_loader(data, topo)
+        out.setdefault("rows", {})[n] = real_rows(loader)
+        evaluator.run(loader)
         out["results"][n] = dict(evaluator.state.metrics)
         out["reference"][n] = _reference(reference_model, data)
         if n == 101:
@@ -196,8 +214,12 @@ def _check(results: list[dict], metric_size: int, replica_check: bool) -> None:
     ids=["dp3", "dp2xtp2", "dp4", "tp4"],
 )
 def test_evaluator_matches_one_process(nprocs, mesh, metric_size, replica_check):
-    results = run_distributed(_evaluate_mlp, nprocs, replica_check, mesh=mesh, timeout=120)
+    # dp2xtp2 runs torch's tensor parallel (DTensor); tp4 a hand-made Megatron split, cheaper on 2 cores
+    dtensor = mesh.get("tp") == 2
+    results = run_distributed(_evaluate_mlp, nprocs, replica_check, dtensor, mesh=mesh, timeout=120)
     _check(results, metric_size, replica_check)
+    if metric_size > 1:  # with one sample, some data ranks run only padded steps
+        assert sorted(r["rows"][1] for r in results)[0] == 0
 
 
 # --------------------------------------------------------------------------- split dims
@@ -260,7 +282,9 @@ def _evaluate_split(topo) -> dict:
             "count": MeshMetric(SumMetric(), topo, split="leader", select=lambda o, b: (torch.ones(len(b["index"])),)),
         }
         evaluator = meshwise.create_evaluator(model, topo, metrics=metrics, forward=lambda m, b: m(b["field"]))
-        evaluator.run(rank_batches(data, topo, parts={"field": (0, 2), "field_target": (0, 2)}))
+        loader = eval_loader(data, topo, parts={"field": Shard(0), "field_target": Shard(0)})
+        out.setdefault("rows", {})[n] = real_rows(loader)
+        evaluator.run(loader)
         out["results"][n] = dict(evaluator.state.metrics)
         with torch.no_grad():
             ref = reference_model(data["field"])
@@ -278,6 +302,7 @@ def _evaluate_split(topo) -> dict:
 
 def test_evaluator_split_dims_sum_parts_and_count_samples_once():
     results = run_distributed(_evaluate_split, 4, mesh={"dp": 2, "cp": 2}, timeout=120)
+    assert [r["rows"][1] for r in results] == [1, 1, 0, 0]  # data rank 1 (ranks 2, 3) holds no real sample
     for rank_out in results:
         assert rank_out["results"] == results[0]["results"]
         for n in LENGTHS:
