@@ -101,7 +101,7 @@ def global_batches() -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def reference_run(model: nn.Module, clip: float | None, momentum: float) -> tuple[list[float], dict]:
+def reference_run(model: nn.Module, clip: float | None, momentum: float) -> tuple[list[float], dict, dict]:
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for b in global_batches():
@@ -113,7 +113,9 @@ def reference_run(model: nn.Module, clip: float | None, momentum: float) -> tupl
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = [p.grad for p in model.parameters()]
+    norms = {p: torch.nn.utils.get_total_norm(grads, p).item() for p in (2.0, 1.0, math.inf)}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def local_batch(topo, batch: dict) -> dict:
@@ -150,7 +152,7 @@ def _equivalence(topo, dp_modes: list[str]) -> dict:
         for name, clip, accum, momentum in VARIANTS:
             torch.manual_seed(0)
             full = Net()  # full weights under one seed on every rank, then shard (PITFALLS.md)
-            ref_losses, ref_params = reference_run(copy.deepcopy(full), clip, momentum)
+            ref_losses, ref_params, ref_norms = reference_run(copy.deepcopy(full), clip, momentum)
             model = meshwise.parallelize(full, topo, tp_plan=tp_plan() if tp > 1 else None, dp=dp)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
             trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo, grad_clip=clip, accumulation_steps=accum)
@@ -165,6 +167,11 @@ def _equivalence(topo, dp_modes: list[str]) -> dict:
                 "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
                 "losses": losses,
                 "clip_active": clip is not None and trainer.state.grad_norm > clip,
+                # the public clip_grad_norm on the last step's gradients (left in place) vs torch on one process
+                "norm_rel_diff": max(
+                    abs(meshwise.parallel.clip_grad_norm(model.parameters(), 1e9, topo, norm_type=p).item() - ref) / ref
+                    for p, ref in ref_norms.items()
+                ),
             }
     return results
 
@@ -174,6 +181,7 @@ def _check(results: list[dict]) -> None:
         for key, r in per_rank.items():
             assert r["param_diff"] <= 1e-5, (rank, key, r)
             assert r["loss_diff"] <= 1e-6, (rank, key, r)
+            assert r["norm_rel_diff"] <= 1e-5, (rank, key, r)
             assert r["losses"] == results[0][key]["losses"], "engine.state.output differs between ranks"
             if key.endswith("clip"):
                 assert r["clip_active"], "the clip threshold should bite in this test"
