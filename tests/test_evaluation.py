@@ -22,7 +22,8 @@ from meshwise.metrics import MeanLoss, MeshMetric, compute_all
 from meshwise.testing import run_distributed
 
 # Ranks fork from a forkserver that preloads torch; importing ignite and torchmetrics costs every rank seconds on a
-# loaded machine, so preload them too (no effect if another test module started the forkserver first).
+# loaded machine, so preload them too (no effect if another test module started the forkserver first). Only
+# modules that are finished: an exception other than ImportError while preloading would stop the forkserver.
 if testing._CTX is None:
     testing._context().set_forkserver_preload(
         [
@@ -31,7 +32,6 @@ if testing._CTX is None:
             "ignite.engine",
             "torch.distributed.tensor.parallel",
             "meshwise.evaluation",
-            "meshwise.data",
         ]
     )
 
