@@ -240,20 +240,6 @@ class Checkpointer:
             text = "; ".join(f"rank {r}: {e}" for r, e in failed)
             raise CheckpointError(f"{what} failed on {len(failed)} rank(s): {text}")
 
-    def _barrier(self, group: Any, what: str) -> None:
-        if self._world == 1:
-            return
-        try:
-            if dist.get_backend(group) == "gloo":
-                dist.monitored_barrier(group=group, timeout=self.topology.timeout, wait_all_ranks=True)
-            else:
-                dist.barrier(group=group)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointError(
-                f"{what}: not every rank arrived within {self.topology.timeout.total_seconds():.0f}s ({exc}); "
-                "a rank died or is stuck. The previous checkpoint and 'latest' are untouched"
-            ) from exc
-
     # ------------------------------------------------------------------ folder layout
 
     def step_path(self, step: int) -> Path:
@@ -426,8 +412,7 @@ class Checkpointer:
             score = self._score_value(objects) if self._rank == 0 else None
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {exc}"
-        self._agree(error, f"writing the small files of {tmp}")
-        self._check_same(digests)
+        local = {"error": error, "digests": digests}  # reported at the commit, so async saves do not wait here
 
         meta = {
             "format": FORMAT,
@@ -467,7 +452,7 @@ class Checkpointer:
                 raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
             self._pending_step = step
             self._pending = threading.Thread(
-                target=self._finish_async, args=(future, step, tmp, meta), name=f"meshwise-ckpt-{step}"
+                target=self._finish_async, args=(future, step, tmp, meta, local), name=f"meshwise-ckpt-{step}"
             )
             self._pending.start()
         else:
@@ -476,24 +461,21 @@ class Checkpointer:
                     dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=False))
                 except Exception as exc:
                     raise CheckpointError(f"saving {tmp} failed: {exc}. 'latest' is untouched") from exc
-            self._commit(step, tmp, meta, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
+            self._commit(step, tmp, meta, local, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
         self._last_saved = step
         return self.step_path(step)
 
-    def _check_same(self, digests: Mapping[str, str | None]) -> None:
-        if self._world == 1 or not digests:
-            return
-        gathered: list[Any] = [None] * self._world
-        dist.all_gather_object(gathered, dict(digests))
-        if self._rank != 0:
-            return
-        for name, mine in digests.items():
-            differ = [r for r, d in enumerate(gathered) if mine is not None and d.get(name) not in (mine, None)]
+    def _warn_differences(self, reports: list[dict[str, Any]]) -> None:
+        """Rank 0: warn about objects whose state differs across ranks (only rank 0's copy is saved)."""
+        for name, mine in reports[0]["digests"].items():
+            differ = [
+                r for r, rep in enumerate(reports) if mine is not None and rep["digests"].get(name) not in (mine, None)
+            ]
             if differ:
                 warnings.warn(
                     f"meshwise checkpoint: {name}.state_dict() on rank(s) {differ} differs from rank 0's; rank 0's "
                     "copy was saved (objects other than models and optimizers must hold global state)",
-                    stacklevel=3,
+                    stacklevel=2,
                 )
 
     def _rng_state(self) -> dict[str, Any]:
@@ -502,24 +484,42 @@ class Checkpointer:
             state["cuda"] = torch.cuda.get_rng_state(self.topology.device)
         return state
 
-    def _finish_async(self, future: Any, step: int, tmp: Path, meta: dict[str, Any]) -> None:
+    def _finish_async(self, future: Any, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any]) -> None:
         try:
             try:
                 future.result()
             except Exception as exc:
                 raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
-            self._commit(step, tmp, meta, group=self._group, defer=False)  # DCP already synced its files
+            self._commit(step, tmp, meta, local, group=self._group, defer=False)  # DCP already synced its files
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
             self._pending_error = exc
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any], group: Any, *, defer: bool) -> None:
+    def _commit(
+        self, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], group: Any, *, defer: bool
+    ) -> None:
         """After every rank wrote its part, rank 0 writes the metadata and renames ``step-N.tmp`` to ``step-N``.
 
         Then ``latest`` moves, once the files are on disk (fsync), and old checkpoints are pruned. With ``defer``
         that second half runs in a thread of rank 0, so the training loop does not wait for the disk: until it
         is done ``latest`` still names the previous checkpoint, which is whole.
         """
-        self._barrier(group, f"saving checkpoint step {step} into {tmp}")
+        reports = [local]
+        if self._world > 1:
+            reports = [None] * self._world
+            try:  # the barrier: every rank reports that its files are written (or why not)
+                dist.all_gather_object(reports, local, group=group)
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(
+                    f"saving checkpoint step {step} into {tmp}: not every rank arrived within "
+                    f"{self.topology.timeout.total_seconds():.0f}s ({exc}); a rank died or is stuck. The previous "
+                    "checkpoint and 'latest' are untouched"
+                ) from exc
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+        if failed:
+            text = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise CheckpointError(f"writing {tmp} failed on {len(failed)} rank(s): {text}. 'latest' is untouched")
+        if self._rank == 0:
+            self._warn_differences(reports)
         error = None
         if self._rank == 0:
             try:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +119,12 @@ def train(
     every: int = 5,
     async_save: bool = False,
     log: str | None = None,
-    kill_after: int | None = None,
+    kill_while_saving: int | None = None,
 ) -> dict[str, Any]:
     """Train with an ignite Engine; checkpoint every ``every`` iterations (auto-resume from ``latest``).
 
     Returns what was seen per iteration (epoch, iteration, local indices) and the final full state.
-    ``kill_after``: SIGKILL this process right after the checkpoint of that iteration is committed.
+    ``kill_while_saving``: SIGKILL this process while it writes its shard of the checkpoint of that iteration.
     """
     from ignite.engine import Engine, Events
 
@@ -158,13 +161,15 @@ def train(
         ckpt = meshwise.Checkpointer(root, topo, async_save=async_save)
         ckpt.attach(engine, every_iterations=every, model=model, optimizer=optimizer, loader=loader)
 
-    if kill_after is not None:
+    if kill_while_saving is not None and root is not None:
+        own = Path(root) / f"step-{kill_while_saving}.tmp" / f"__{topo.rank}_0.distcp"
 
-        @engine.on(Events.ITERATION_COMPLETED(once=kill_after))
-        def die(_: Engine) -> None:
-            if ckpt is not None:
-                ckpt.wait()
-            os.kill(os.getpid(), 9)
+        def watch() -> None:
+            while not own.exists():
+                time.sleep(0.0002)
+            os.kill(os.getpid(), signal.SIGKILL)  # while this rank writes its shard of that checkpoint
+
+        threading.Thread(target=watch, daemon=True).start()
 
     engine.add_event_handler(Events.ITERATION_COMPLETED(once=stop_at), lambda e: e.terminate())
     engine.run(loader, max_epochs=max_epochs)

@@ -1,5 +1,6 @@
-"""Run under `meshwise run --max-restarts 1`: rank 1 SIGKILLs itself at iteration 6 of the first attempt
-(after the checkpoint of iteration 4); the restarted group resumes from `latest` and trains to iteration 10.
+"""Run under `meshwise run --max-restarts 1`: checkpoints every 4 iterations; in the first attempt rank 1 SIGKILLs
+itself while writing the checkpoint of iteration 8 (after the one of iteration 4). The restarted group resumes
+from `latest` (iteration 4) and trains to iteration 10.
 
 Usage: fault_train.py ROOT LOG_DIR OUT_DIR
 """
@@ -47,11 +48,15 @@ def main() -> None:
     topo = meshwise.init()  # adopts the group made above
     ck = meshwise.Checkpointer(root, topo, verbose=False)
     resumed_from = ck.latest_step()
-    kill = 6 if attempt == 0 and topo.rank == 1 else None
-    result = cc.train(topo, root, stop_at=10, every=4, log=logs, kill_after=kill)
+    found = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    kill = 8 if attempt == 0 and topo.rank == 1 else None
+    result = cc.train(topo, root, stop_at=10, every=4, log=logs, kill_while_saving=kill)
+    ck.close()
     if topo.rank == 0:
         np.savez(Path(out) / "final.npz", **result["state"])
-        (Path(out) / "attempts.json").write_text(json.dumps({"restart_count": attempt, "resumed_from": resumed_from}))
+        record = {"restart_count": attempt, "resumed_from": resumed_from, "found": found}
+        record["after"] = sorted(os.listdir(root))
+        (Path(out) / "attempts.json").write_text(json.dumps(record))
     meshwise.shutdown()
 
 
