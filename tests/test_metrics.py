@@ -168,6 +168,17 @@ def _scenarios(topo) -> dict:
     metrics["sum"].update(torch.ones(3))
     out["sum_after"] = metrics["sum"].compute()
     out["sum_cached"] = metrics["sum"].compute()
+    # a collection whose metrics share states (one compute group) keeps accumulating after a fused compute
+    more = [_data(20 + d, 4) for d in range(2)]
+    x2, labels2, _ = more[dp]
+    metrics["cls"].update(torch.stack([x2, -x2, x2 * x2], dim=1), labels2)
+    out["cls_after"] = metrics["cls"].compute()
+    out["compute_groups"] = len(metrics["cls"].metric.compute_groups)
+    union_x = torch.cat([all_x, *(m[0] for m in more)])
+    union_labels = torch.cat([all_labels, *(m[1] for m in more)])
+    union_logits = torch.stack([union_x, -union_x, union_x * union_x], dim=1)
+    out["reference"]["acc_after"] = multiclass_accuracy(union_logits, union_labels, num_classes=3)
+    out["reference"]["f1_after"] = multiclass_f1_score(union_logits, union_labels, num_classes=3)
 
     # sum-only collection: one collective; torchmetrics syncing each metric on its own needs many
     group = topo.group(topo.metric_dims)
@@ -265,6 +276,8 @@ def test_mesh_metrics_fuse_mask_check_and_fail_loudly():
             assert _close(values[key], ref[key]), (rank, key, values[key], ref[key])
         assert _close(values["cls"]["acc"], ref["acc"]) and _close(values["cls"]["f1"], ref["f1"])
         assert _close(out["sum_after"], ref["sum"] + 6) and _close(out["sum_cached"], ref["sum"] + 6)
+        assert out["compute_groups"] == 1  # accuracy and F1 share their states
+        assert _close(out["cls_after"]["acc"], ref["acc_after"]) and _close(out["cls_after"]["f1"], ref["f1_after"])
         assert out["sum_only_calls"] == ["all_reduce"]  # one collective for every sum state of the collection
         assert len(out["naive_calls"]) >= 9, out["naive_calls"]  # torchmetrics: one or more per state
         assert out["same_as_torchmetrics"] and out["last_collectives"] == 1
