@@ -9,6 +9,8 @@ main process when a batch is handed out, so ``state_dict()`` never counts batche
 from __future__ import annotations
 
 import math
+import multiprocessing
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,28 +34,40 @@ class _BatchReader:
         self.dataset = dataset
         self.parts = dict(parts)
         self.dtypes = {n: torch_dtype(dataset.sources[n].dtype) for n in parts}
+        self.np_dtypes = {n: _numpy_dtype(d) for n, d in self.dtypes.items()}
         self.row_bytes = {n: math.prod(p.shape) * self.dtypes[n].itemsize for n, p in self.parts.items()}
+        self._layouts: dict[int, tuple[dict[str, int], int]] = {}
 
     def layout(self, rows: int) -> tuple[dict[str, int], int]:
-        offsets, total = {}, 0
-        for name in self.parts:
-            offsets[name] = total
-            total += -(-rows * self.row_bytes[name] // _ALIGN) * _ALIGN
-        return offsets, total
+        if rows not in self._layouts:
+            offsets, total = {}, 0
+            for name in self.parts:
+                offsets[name] = total
+                total += -(-rows * self.row_bytes[name] // _ALIGN) * _ALIGN
+            self._layouts[rows] = (offsets, total)
+        return self._layouts[rows]
 
-    def unpack(self, buffer: torch.Tensor, rows: int) -> dict[str, torch.Tensor]:
-        """Views of each field ``[rows, *part shape]`` inside ``buffer`` (no copy)."""
+    def unpack(self, buffer: np.ndarray, rows: int) -> dict[str, np.ndarray | torch.Tensor]:
+        """Views of each field ``[rows, *part shape]`` inside ``buffer`` (no copy): numpy where it can, else torch."""
         offsets, _ = self.layout(rows)
-        out = {}
+        out: dict[str, np.ndarray | torch.Tensor] = {}
         for name, part in self.parts.items():
             raw = buffer[offsets[name] : offsets[name] + rows * self.row_bytes[name]]
-            out[name] = raw.view(self.dtypes[name]).view(rows, *part.shape)
+            if self.np_dtypes[name] is not None:
+                out[name] = raw.view(self.np_dtypes[name]).reshape(rows, *part.shape)
+            else:  # a torch-only dtype (bfloat16, ...)
+                out[name] = torch.from_numpy(raw).view(self.dtypes[name]).view(rows, *part.shape)
         return out
 
-    def __getitem__(self, rows_indices: np.ndarray) -> tuple[torch.Tensor, int]:
+    def tensors(self, buffer: np.ndarray, rows: int) -> dict[str, torch.Tensor]:
+        return {
+            n: v if isinstance(v, torch.Tensor) else torch.from_numpy(v) for n, v in self.unpack(buffer, rows).items()
+        }
+
+    def read(self, rows_indices: np.ndarray, buffer: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         rows = len(rows_indices)
-        _, total = self.layout(rows)
-        buffer = torch.empty(total, dtype=torch.uint8)
+        if buffer is None:  # numpy reuses freed blocks; a fresh torch.empty faults in new pages every batch
+            buffer = np.empty(self.layout(rows)[1], dtype=np.uint8)
         valid = int(np.count_nonzero(rows_indices >= 0))
         idx = rows_indices[:valid]
         if np.any(rows_indices[valid:] >= 0):
@@ -63,11 +77,22 @@ class _BatchReader:
             if valid:
                 nbytes += self.dataset.sources[name].read(idx, self.parts[name].region, field[:valid])
             if valid < rows:
-                field[valid:].zero_()  # padded rows carry zeros, never stale memory
+                field[valid:] = 0  # padded rows carry zeros, never stale memory
         return buffer, nbytes
+
+    def __getitem__(self, rows_indices: np.ndarray) -> tuple[torch.Tensor, int]:
+        buffer, nbytes = self.read(rows_indices)
+        return torch.from_numpy(buffer), nbytes  # a tensor travels from a worker through shared memory
 
     def __len__(self) -> int:  # DataLoader asks; items are index arrays, not positions
         return 0
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
 
 
 def _identity(x: Any) -> Any:
@@ -121,9 +146,14 @@ class MeshDataLoader:
         self.read = read if self.replica_size > 1 else "each"
         self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
+            # Workers only read arrays through handles they reopen, so fork is safe; it is also fast, where an
+            # inherited forkserver/spawn default would start each worker from scratch (seconds a worker).
+            multiprocessing_context = "fork"
         self.multiprocessing_context = multiprocessing_context
         self._reader = _BatchReader(dataset, self.parts)
         self.bytes_read = 0
+        self._pool: list[np.ndarray] = []
 
     # ---- sizes and state
     @property
@@ -160,11 +190,11 @@ class MeshDataLoader:
             items.append(np.concatenate([chunk, np.full(rows - len(chunk), -1, dtype=np.int64)]))
         return items
 
-    def _buffers(self, items: list[np.ndarray] | None, steps: int) -> Iterator[tuple[torch.Tensor | None, int]]:
+    def _buffers(self, items: list[np.ndarray] | None, steps: int) -> Iterator[tuple[np.ndarray | None, int]]:
         if items is None:
             yield from ((None, 0) for _ in range(steps))
         elif self.num_workers == 0:
-            yield from (self._reader[i] for i in items)
+            yield from (self._reader.read(i, self._free_buffer(self._reader.layout(len(i))[1])) for i in items)
         else:
             loader = torch.utils.data.DataLoader(
                 self._reader,
@@ -175,22 +205,33 @@ class MeshDataLoader:
                 prefetch_factor=self.prefetch_factor,
                 multiprocessing_context=self.multiprocessing_context,
             )
-            yield from loader
+            yield from ((buffer.numpy(), nbytes) for buffer, nbytes in loader)
 
-    def _share(self, buffer: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def _free_buffer(self, nbytes: int) -> np.ndarray:
+        """A recycled batch buffer that no batch the user holds still points to (else a new one)."""
+        for buffer in self._pool:
+            # references: the pool, this loop variable and getrefcount's argument; any more is a live batch
+            if len(buffer) == nbytes and sys.getrefcount(buffer) <= 3:
+                return buffer
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        if len(self._pool) < 4:
+            self._pool.append(buffer)
+        return buffer
+
+    def _share(self, buffer: np.ndarray | None) -> dict[str, torch.Tensor]:
         b = self.local_batch_size
         if self.read == "each":
-            return self._reader.unpack(buffer, b)
+            return self._reader.tensors(buffer, b)
         group = self.topology.group(self.topology.replica_dims)
         if self.read == "broadcast":
             if buffer is None:
-                buffer = torch.empty(self._reader.layout(b)[1], dtype=torch.uint8)
-            dist.broadcast(buffer, src=self._replica_ranks[0], group=group)
-            return self._reader.unpack(buffer, b)
+                buffer = np.empty(self._reader.layout(b)[1], dtype=np.uint8)
+            dist.broadcast(torch.from_numpy(buffer), src=self._replica_ranks[0], group=group)
+            return self._reader.tensors(buffer, b)
         rows = -(-b // self.replica_size)
-        gathered = [torch.empty_like(buffer) for _ in range(self.replica_size)]
-        dist.all_gather(gathered, buffer, group=group)
-        chunks = [self._reader.unpack(g, rows) for g in gathered]
+        gathered = [torch.empty(len(buffer), dtype=torch.uint8) for _ in range(self.replica_size)]
+        dist.all_gather(gathered, torch.from_numpy(buffer), group=group)
+        chunks = [self._reader.tensors(g.numpy(), rows) for g in gathered]
         return {n: torch.cat([c[n] for c in chunks])[:b] for n in self.parts}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -230,7 +271,7 @@ def mesh_dataloader(
     ``parts`` maps a field to ``Shard(axis, halo)``/``Replicate()`` over the split dims; ``read`` picks who
     reads in a replica group: ``"each"``, ``"broadcast"`` (the leader reads) or ``"scatter"`` (1/k each).
     ``num_workers > 0`` reads in DataLoader worker processes (``prefetch_factor``, ``multiprocessing_context``
-    are passed through).
+    are passed through; the context defaults to ``"fork"`` where the platform has it).
     """
     return MeshDataLoader(
         dataset,
