@@ -16,24 +16,9 @@ from torchmetrics.functional.classification import binary_auroc, multiclass_accu
 from torchmetrics.regression import MeanSquaredError
 
 import meshwise
-from meshwise import testing
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
 from meshwise.metrics import MeanLoss, MeshMetric, compute_all
 from meshwise.testing import run_distributed
-
-# Ranks fork from a forkserver that preloads torch; importing ignite and torchmetrics costs every rank seconds on a
-# loaded machine, so preload them too (no effect if another test module started the forkserver first). Only
-# modules that are finished: an exception other than ImportError while preloading would stop the forkserver.
-if testing._CTX is None:
-    testing._context().set_forkserver_preload(
-        [
-            *testing._PRELOAD,
-            "torchmetrics",
-            "ignite.engine",
-            "torch.distributed.tensor.parallel",
-            "meshwise.evaluation",
-        ]
-    )
 
 LENGTHS = (1, 5, 7, 101)
 B_LOCAL = 4  # rows per rank and step; 12 for the long dataset, to keep its step count small

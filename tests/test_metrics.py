@@ -12,15 +12,9 @@ from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, MetricCollect
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassF1Score
 from torchmetrics.functional.classification import binary_auroc, multiclass_accuracy, multiclass_f1_score
 
-from meshwise import testing
 from meshwise.errors import CollectiveTimeout, MetricError
 from meshwise.metrics import MeanLoss, MeshMetric, MetricSyncTimeout, attach, compute_all, filter_rows
 from meshwise.testing import run_distributed
-
-if testing._CTX is None:  # see tests/test_evaluation.py: preload what every rank imports
-    testing._context().set_forkserver_preload(
-        [*testing._PRELOAD, "torchmetrics", "ignite.engine", "torch.distributed.tensor.parallel", "meshwise.evaluation"]
-    )
 
 COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
 

@@ -48,14 +48,18 @@ def _where(topo: Topology, dims: tuple[str, ...], ranks: Sequence[int]) -> str:
 
 
 def _report(store: dist.Store, keys: dict[int, str], mine: str) -> tuple[list[int], dict[int, str]]:
+    """Ranks without a mark, and ranks whose mark differs; if the store itself is gone, say so instead."""
     missing, different = [], {}
-    for rank, key in keys.items():
-        if not store.check([key]):
-            missing.append(rank)
-            continue
-        theirs = store.get(key).decode()
-        if theirs != mine:
-            different[rank] = theirs
+    try:
+        for rank, key in keys.items():
+            if not store.check([key]):
+                missing.append(rank)
+                continue
+            theirs = store.get(key).decode()
+            if theirs != mine:
+                different[rank] = theirs
+    except (RuntimeError, dist.DistError) as exc:  # the store's host (rank 0) has exited
+        return [], {-1: f"unknown: the store could not be asked ({type(exc).__name__})"}
     return missing, different
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -19,7 +20,21 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "numpy", "meshwise", "meshwise.topology"]
+# What most ranks import: loaded once in the forkserver instead of once per rank. Missing packages are
+# skipped (ImportError); only finished modules belong here, since any other error stops the forkserver.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "torchmetrics",
+    "ignite.engine",
+    "meshwise",
+    "meshwise.topology",
+]
 _CTX: Any = None
 
 
@@ -82,7 +97,8 @@ def _child(
                 out = fn(topo, *args, **kwargs)
             finally:
                 meshwise.shutdown()
-        results.put((rank, "ok", label, out))
+        # Plain pickle: torch's queue reducer would pass tensors by shared memory that dies with this process.
+        results.put((rank, "ok", label, pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         current = meshwise.current()
         if current is not None:
@@ -154,7 +170,7 @@ def run_distributed(
                 continue
             labels[rank] = label
             if status == "ok":
-                outputs[rank] = payload
+                outputs[rank] = pickle.loads(payload)
             else:
                 failure = (rank, label, payload)
         if failure is not None:
