@@ -154,6 +154,7 @@ class MeshDataLoader:
         self._reader = _BatchReader(dataset, self.parts)
         self.bytes_read = 0
         self._pool: list[np.ndarray] = []
+        self._gathered: list[torch.Tensor] | None = None
 
     # ---- sizes and state
     @property
@@ -229,7 +230,10 @@ class MeshDataLoader:
             dist.broadcast(torch.from_numpy(buffer), src=self._replica_ranks[0], group=group)
             return self._reader.tensors(buffer, b)
         rows = -(-b // self.replica_size)
-        gathered = [torch.empty(len(buffer), dtype=torch.uint8) for _ in range(self.replica_size)]
+        if self._gathered is None or len(self._gathered[0]) != len(buffer):
+            # reused every step: the batch below is a copy (torch.cat), so nothing handed out points here
+            self._gathered = [torch.empty(len(buffer), dtype=torch.uint8) for _ in range(self.replica_size)]
+        gathered = self._gathered
         dist.all_gather(gathered, torch.from_numpy(buffer), group=group)
         chunks = [self._reader.tensors(g.numpy(), rows) for g in gathered]
         return {n: torch.cat([c[n] for c in chunks])[:b] for n in self.parts}
