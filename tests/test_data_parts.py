@@ -118,3 +118,25 @@ def test_bad_parts():
         mesh_dataloader(ds, layout_topology({"dp": 2}, 0), global_batch_size=2, parts={"input": Shard(0)})
     with pytest.raises(DataError, match="lacks"):
         mesh_dataloader(ds, layout_topology({"dp": 2}, 0), global_batch_size=2, parts={"output": Shard(0)})
+
+
+def test_two_split_dims_through_the_loader_and_torch_only_dtypes():
+    field = torch.arange(5 * 6 * 7, dtype=torch.float32).reshape(5, 6, 7).to(torch.bfloat16)
+    mesh, roles = {"sx": 2, "sy": 2}, {"sx": "split", "sy": "split"}
+    tiles = {}
+    for rank in range(4):
+        topo = layout_topology(mesh, rank, roles)
+        ld = mesh_dataloader(
+            {"input": field},
+            topo,
+            global_batch_size=5,
+            mode="eval",
+            parts={"input": [Shard(0, dim="sx"), Shard(1, halo=1, dim="sy")]},
+        )
+        (batch,) = list(ld)
+        assert batch["input"].dtype == torch.bfloat16
+        part = ld.parts["input"]
+        assert torch.equal(batch["input"], field[(slice(None), *part.region)])
+        tiles[(topo.coordinate("sx"), topo.coordinate("sy"))] = part.strip_halo(batch["input"])
+    rows = [torch.cat([tiles[(x, y)] for y in range(2)], dim=2) for x in range(2)]
+    assert torch.equal(torch.cat(rows, dim=1), field)
