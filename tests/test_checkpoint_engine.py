@@ -1,0 +1,88 @@
+"""Checkpointer.attach with the real layers: create_trainer + parallelize + mesh_dataloader, auto-resume mid-epoch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from meshwise import testing
+from meshwise.testing import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "ckpt_scripts"))
+
+import ckpt_common as cc  # noqa: E402
+
+for _name in ("ignite.engine", "torch.distributed.checkpoint", "torch.distributed.fsdp"):  # see test_checkpoint.py
+    if _name not in testing._PRELOAD:
+        testing._PRELOAD.append(_name)
+
+MESH = {"dp": 2, "tp": 2}
+N, BATCH = 40, 8  # 5 steps per epoch
+
+
+def _run(topo, root: str | None, stop_at: int | None, max_epochs: int = 2) -> dict:
+    from ignite.engine import Events
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import meshwise
+    from meshwise.data import ArrayDataset, mesh_dataloader
+
+    torch.manual_seed(1234)
+    model = meshwise.parallelize(
+        cc.MLP(), topo, dp="fsdp", tp_plan={"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    g = np.random.default_rng(3)
+    ds = ArrayDataset(
+        {"input": g.standard_normal((N, cc.D_IN), np.float32), "target": g.standard_normal((N, cc.D_OUT), np.float32)}
+    )
+    loader = mesh_dataloader(ds, topo, global_batch_size=BATCH, seed=5)
+    trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo)
+    trainer.add_event_handler(Events.EPOCH_STARTED, lambda e: loader.set_epoch(e.state.epoch - 1))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: sched.step())
+    seen = []
+    trainer.add_event_handler(
+        Events.ITERATION_COMPLETED,
+        lambda e: seen.append((e.state.epoch, e.state.iteration, e.state.batch["index"].tolist(), e.state.output)),
+    )
+    if root is not None:
+        ckpt = meshwise.Checkpointer(root, topo, keep_last=2)
+        ckpt.attach(trainer, every_iterations=3, model=model, optimizer=opt, loader=loader, scheduler=sched)
+    if stop_at is not None:
+        trainer.add_event_handler(Events.ITERATION_COMPLETED(once=stop_at), lambda e: e.terminate())
+    trainer.run(loader, max_epochs=max_epochs)
+    if root is not None:
+        ckpt.close()
+    return {
+        "seen": seen,
+        "state": cc.full_state(model, opt),
+        "counters": (trainer.state.epoch, trainer.state.iteration),
+        "lr": opt.param_groups[0]["lr"],
+    }
+
+
+def _first(topo, root: str) -> dict:
+    return {"ref": _run(topo, None, None), "part": _run(topo, root, stop_at=7)}
+
+
+def _second(topo, root: str) -> dict:
+    return _run(topo, root, None)
+
+
+def test_attach_resumes_create_trainer_and_mesh_dataloader_mid_epoch(tmp_path):
+    root = str(tmp_path / "ckpt")
+    one = run_distributed(_first, 4, root, mesh=MESH, timeout=120)
+    # step-6 is the latest checkpoint; iteration 7 ran but was not saved, so it runs again after the resume
+    two = run_distributed(_second, 4, root, mesh=MESH, timeout=120)
+    for r in range(4):
+        ref, part, res = one[r]["ref"], one[r]["part"], two[r]
+        assert [s[1] for s in res["seen"]] == [7, 8, 9, 10]
+        assert part["seen"][:6] + res["seen"] == ref["seen"]  # batches, epochs, iterations and losses
+        assert cc.max_diff(ref["state"], res["state"]) <= 1e-6
+        assert res["counters"] == ref["counters"] == (2, 10) and res["lr"] == ref["lr"]
+    assert sorted(p.name for p in Path(root).iterdir() if p.name.startswith("step-")) == ["step-6", "step-9"]
