@@ -1,8 +1,10 @@
 """Overhead of ``meshwise.create_trainer`` against a hand-written torch loop doing the same work.
 
-Both train the same small transformer (TP plan + FSDP2 at dp=2 x tp=2, plain in one process); the hand
+Both train the same small transformer, in fact the same model and optimizer objects (TP plan + FSDP2 at
+dp=2 x tp=2, plain in one process); the hand
 loop does zero_grad, forward, loss, backward, an all-reduce of the loss over the data group, step and
-``.item()``. Blocks of steps alternate (trainer, loop, trainer, ...) so machine load hits both alike;
+``.item()``. Steps alternate (trainer, loop, loop, trainer, ...; each a ``trainer.run`` of one batch, so the
+trainer also pays ignite's per-run set-up) so machine load hits both alike;
 the ratio is median per-step time (trainer) / median per-step time (loop) over all blocks; the median of
 the ratios of neighbouring blocks is printed beside it as a check on the noise.
 Run: ``.venv/bin/python benchmarks/bench_overhead.py`` (``--blocks`` and ``--steps`` change the length).
@@ -77,9 +79,9 @@ def measure(topo, blocks: int, steps: int) -> dict:
         {"input": torch.randn(LOCAL_BATCH, T, D, generator=g), "target": torch.randn(LOCAL_BATCH, T, OUT, generator=g)}
         for _ in range(steps)
     ]
-    model_a, opt_a = build(topo)
-    trainer = meshwise.create_trainer(model_a, opt_a, F.mse_loss, topo)
+    # One model and optimizer for both, so memory layout and parameter values cannot favour either side.
     model_b, opt_b = build(topo)
+    trainer = meshwise.create_trainer(model_b, opt_b, F.mse_loss, topo)
     data_size = topo.size(topo.metric_dims)
     group = topo.group(topo.metric_dims) if data_size > 1 else None
 
@@ -99,14 +101,13 @@ def measure(topo, blocks: int, steps: int) -> dict:
     def timed(fn) -> float:
         if topo.world_size > 1:
             dist.barrier()
-        start = time.perf_counter()
+        start = time.perf_counter()  # from an aligned start to this rank's end of the step(s)
         fn()
-        if topo.world_size > 1:
-            dist.barrier()
         return (time.perf_counter() - start) / steps
 
-    trainer.run(data[:2], max_epochs=1)  # warm-up both
-    hand_loop(data[:2])
+    for _ in range(3):  # warm-up both
+        trainer.run(data, max_epochs=1)
+        hand_loop(data)
     ours, theirs = [], []
     for i in range(blocks):
         order = [("ours", lambda: trainer.run(data, max_epochs=1)), ("theirs", lambda: hand_loop(data))]
@@ -120,24 +121,62 @@ def measure(topo, blocks: int, steps: int) -> dict:
     }
 
 
+def framework_cost(topo, pairs: int = 400) -> dict:
+    """Per-step cost of the trainer itself: both sides train a 4x4 linear layer, so almost all is overhead."""
+    import meshwise
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo)
+    batch = [{"input": torch.randn(8, 4), "target": torch.randn(8, 4)}]
+
+    def hand_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = F.mse_loss(model(batch[0]["input"]), batch[0]["target"])
+        loss.backward()
+        value = loss.detach().clone()
+        opt.step()
+        value.item()
+
+    ours, theirs = [], []
+    for i in range(pairs):
+        for name in ("ours", "theirs") if i % 2 == 0 else ("theirs", "ours"):
+            start = time.perf_counter()
+            trainer.run(batch, max_epochs=1) if name == "ours" else hand_step()
+            (ours if name == "ours" else theirs).append(time.perf_counter() - start)
+    return {"trainer_us": statistics.median(ours) * 1e6, "loop_us": statistics.median(theirs) * 1e6}
+
+
+def measure_single(topo, blocks: int, steps: int) -> dict:
+    return {**measure(topo, blocks, steps), **framework_cost(topo)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--blocks", type=int, default=12, help="alternating blocks per implementation")
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps per block (x4 in one process)")
+    parser.add_argument("--blocks", type=int, default=60, help="alternating blocks per implementation (x4 in 1 proc)")
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps per block")
     args = parser.parse_args()
     from meshwise.testing import run_distributed
 
     multi = run_distributed(measure, 4, args.blocks, args.steps, mesh={"dp": 2, "tp": 2}, timeout=600)[0]
     torch.set_num_threads(1)  # as each of the 4 ranks runs
-    single = run_distributed(measure, 1, args.blocks, args.steps * 4, mesh={"dp": 1}, timeout=300)[0]
+    single = run_distributed(measure_single, 1, args.blocks * 4, args.steps, mesh={"dp": 1}, timeout=300)[0]
     rows = [("dp=2 x tp=2 (4 procs)", multi), ("1 process", single)]
     print(f"{'mesh':<22} {'create_trainer ms':>18} {'hand loop ms':>13} {'ratio':>7} {'paired ratio':>13}")
     for name, r in rows:
         ratio = r["trainer_s"] / r["loop_s"]
         print(f"{name:<22} {r['trainer_s'] * 1e3:>18.2f} {r['loop_s'] * 1e3:>13.2f} {ratio:>7.3f} {r['ratio']:>13.3f}")
+    cost = single["trainer_us"] - single["loop_us"]
+    print(
+        f"framework cost (4x4 linear, 1 process): create_trainer {single['trainer_us']:.0f} us/step, "
+        f"hand loop {single['loop_us']:.0f} us/step -> {cost:.0f} us/step, i.e. "
+        f"{cost / (multi['loop_s'] * 1e6):.2%} of a dp=2 x tp=2 step and {cost / (single['loop_s'] * 1e6):.2%} "
+        "of a one-process step above"
+    )
     print(
         f"RESULT overhead_ratio_2x2={multi['trainer_s'] / multi['loop_s']:.3f} "
-        f"overhead_ratio_1={single['trainer_s'] / single['loop_s']:.3f}"
+        f"overhead_ratio_1={single['trainer_s'] / single['loop_s']:.3f} overhead_us_per_step={cost:.0f}"
     )
 
 
