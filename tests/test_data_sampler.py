@@ -18,7 +18,8 @@ from meshwise.data import ArrayDataset, MeshSampler, mesh_dataloader
 from meshwise.errors import DataError, MeshwiseError
 from meshwise.topology import Environment, Layout, Topology
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: CI sees the same examples every run (explore locally with more examples and derandomize=False)
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 def layout_topology(mesh: dict, rank: int, roles: dict | None = None) -> Topology:
@@ -154,6 +155,9 @@ def test_resume_same_and_other_data_size(c, stop, new_ds, new_local):
     other = samplers_for(n, gbs2, new_ds, **kw)
     for s in other:
         s.load_state_dict(states[0])
+    if drop and (n - stop * gbs) // gbs2 == 0:  # no full new batch left: the cursor moves to the next epoch
+        assert all(s.epoch == 1 and s.consumed == 0 for s in other)
+        return
     rest = [i for r in zip(*run_epoch(other)) for b in r for i in b.tolist() if i >= 0]
     assert len(rest) == len(set(rest)) and not set(rest) & set(consumed)
     order = first[0].order(0).tolist()
