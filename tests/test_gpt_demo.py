@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import meshwise
 from meshwise.testing import run_command, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,10 +22,9 @@ import model as gpt  # noqa: E402
 TINY = ["--d-model", "32", "--n-layer", "2", "--n-head", "4", "--block-size", "32", "--batch-size", "8"]
 
 
-def _one_process_held_out(topo, run_dir: str, steps: list[int]) -> list[float]:
-    """Oracle: load each checkpoint into one plain process and average the cross-entropy of every held-out token."""
-    import meshwise
-
+def _plain_held_out(topo, run_dir: str, steps: list[int]) -> list[float]:
+    """Oracle: load each checkpoint into a plain (unsharded) model and average the cross-entropy of every
+    held-out token in one pass, with no meshwise loader or metric."""
     config = json.loads((Path(run_dir) / "config.json").read_text())
     cfg = gpt.GPTConfig(**config["model"])
     data = Path(config["args"]["data_dir"]) / f"src-{Path(config['args']['source_dir']).stem}"
@@ -41,16 +41,21 @@ def _one_process_held_out(topo, run_dir: str, steps: list[int]) -> list[float]:
     return out
 
 
-def _train_again(run_dir: str) -> str:
+def _bad_input(argvs: list[list[str]]) -> list[str]:
+    """Run train.py's main once per argv on every rank; return the error messages (every rank must raise)."""
     import train
 
     from meshwise.errors import MeshwiseError
 
-    try:
-        train.main(["--run-dir", run_dir, "--steps", "1", "--mesh", "dp=1"])
-    except MeshwiseError as exc:
-        return str(exc)
-    return "no error"
+    out = []
+    for argv in argvs:
+        try:
+            train.main(argv)
+            out.append("no error")
+        except MeshwiseError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+        meshwise.shutdown()
+    return out
 
 
 def test_demo_trains_evaluates_checkpoints_and_resumes_at_tp4(tmp_path):
@@ -97,11 +102,15 @@ def test_demo_trains_evaluates_checkpoints_and_resumes_at_tp4(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    # Exact evaluation: the mesh's held-out loss equals a one-process pass over the same windows.
-    oracle = run_distributed(_one_process_held_out, 1, str(run_dir), [6, 9], mesh={"dp": 1}, timeout=60)[0]
+    # Exact evaluation: the mesh's held-out loss equals a plain one-process pass over the same windows.
+    oracle = run_distributed(_plain_held_out, 1, str(run_dir), [6, 9], mesh={"dp": 1}, timeout=60)[0]
     assert abs(oracle[0] - first["val_loss"]) <= 1e-5, (oracle, rows)
     assert abs(oracle[1] - resumed["val_loss"]) <= 1e-5, (oracle, rows)
 
-    # A second training phase into the same folder is refused rather than mixed into the old run.
-    message = run_distributed(_train_again, 1, str(run_dir), timeout=60)[0]
-    assert "already holds a run" in message and "--resume" in message, message
+    # Bad input fails on every rank with a message saying what to do: a second training phase into the same
+    # run folder (instead of mixing into the old run), and a corpus that does not exist (rank 0 prepares it).
+    missing = ["--run-dir", str(tmp_path / "other"), "--text", str(tmp_path / "nope.txt"), "--data-dir", str(data_dir)]
+    bad = [["--run-dir", str(run_dir), "--steps", "1"], missing]
+    for again, absent in run_distributed(_bad_input, 2, bad, timeout=90):
+        assert "already holds a run" in again and "--resume" in again, again
+        assert absent.startswith("DataError") and "nope.txt" in absent, absent

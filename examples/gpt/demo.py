@@ -1,7 +1,7 @@
 """The meshwise demo: train the example GPT at dp=2 x tp=2, then resume its checkpoint at tp=4, and summarise.
 
     python examples/gpt/demo.py                       # 4 CPU processes, at most about 4 minutes on 2 cores
-    python examples/gpt/demo.py --nproc 8 --mesh dp=4,tp=2 --resume-mesh dp=2,tp=4
+    python examples/gpt/demo.py --nproc 8                 # dp=4 x tp=2, resumed at dp=2 x tp=4
     python examples/gpt/demo.py -- --d-model 256 --n-layer 6 --text book.txt   # after --: train.py options
 
 Each phase is one ``meshwise run`` of examples/gpt/train.py; the run folder (default runs/gpt) is
@@ -42,13 +42,13 @@ def main(argv: list[str] | None = None) -> None:
         argv, extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=4, help="processes per phase (default 4)")
-    p.add_argument("--mesh", default="dp=2,tp=2", help="mesh of the training phase (default dp=2,tp=2)")
-    p.add_argument("--resume-mesh", default="tp=4", help="mesh of the resume phase (default tp=4)")
+    p.add_argument("--mesh", default="dp=-1,tp=2", help="mesh of the training phase (default dp=-1,tp=2: dp=2 x tp=2)")
+    p.add_argument("--resume-mesh", default="dp=-1,tp=4", help="mesh of the resume phase (default dp=-1,tp=4: tp=4)")
     p.add_argument("--steps", type=int, default=250, help="training steps (default 250, about 2 minutes on 2 cores)")
     p.add_argument(
         "--time-budget", type=float, default=120.0, help="stop training after this many seconds (default 120; 0: off)"
     )
-    p.add_argument("--resume-steps", type=int, default=30, help="steps after the resume (default 30)")
+    p.add_argument("--resume-steps", type=int, default=20, help="steps after the resume (default 20)")
     p.add_argument("--run-dir", default="runs/gpt", help="run folder, started afresh (default runs/gpt)")
     a = p.parse_args(argv)
     started = time.perf_counter()

@@ -35,7 +35,7 @@ from prepare import prepare  # noqa: E402
 
 import meshwise  # noqa: E402
 from meshwise.data import ArrayDataset, mesh_dataloader  # noqa: E402
-from meshwise.errors import MeshwiseError  # noqa: E402
+from meshwise.errors import DataError, MeshwiseError  # noqa: E402
 from meshwise.handlers import RunLogger  # noqa: E402
 from meshwise.metrics import MeanLoss  # noqa: E402
 from meshwise.plot import plot_run  # noqa: E402
@@ -69,7 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--block-size", type=int, default=128)
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=250, help="optimizer steps in this invocation")
-    opt.add_argument("--time-budget", type=float, default=0.0, help="stop training after this many seconds (0: off)")
+    opt.add_argument(
+        "--time-budget",
+        type=float,
+        default=0.0,
+        help="stop after this many seconds of training loop, periodic evaluations included (0: off)",
+    )
     opt.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
     opt.add_argument("--lr", type=float, default=2e-3)
     opt.add_argument("--warmup", type=int, default=20)
@@ -117,10 +122,18 @@ def prepare_data(args: argparse.Namespace, topo) -> tuple[Path, dict]:
     if args.text or args.tokens or args.source_dir:
         kind = "text" if args.text else "tokens" if args.tokens else "src"
         out = out / f"{kind}-{Path(args.text or args.tokens or args.source_dir).stem}"
+    error = None
     if topo.rank == 0:
-        prepare(out, source_dir=args.source_dir, text=args.text, tokens=args.tokens, val_fraction=args.val_fraction)
-    if topo.world_size > 1:
-        dist.barrier()
+        try:
+            prepare(out, source_dir=args.source_dir, text=args.text, tokens=args.tokens, val_fraction=args.val_fraction)
+        except (MeshwiseError, OSError) as exc:
+            error = str(exc)
+    if topo.world_size > 1:  # every rank learns rank 0's outcome, so none waits for a corpus that never comes
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise DataError(f"could not prepare the corpus: {error}")
     return out, json.loads((out / "meta.json").read_text())
 
 
@@ -189,7 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     topo = meshwise.init(args.mesh)
     torch.manual_seed(args.seed)
-    mesh_name = "x".join(f"{d}={s}" for d, s in topo.sizes.items())
+    # The mesh as the summary shows it: dims of size 1 left out (dp=1 x tp=4 is a tp=4 run).
+    mesh_name = "x".join(f"{d}={s}" for d, s in topo.sizes.items() if s > 1) or "x".join(
+        f"{d}={s}" for d, s in topo.sizes.items()
+    )
     run_dir = Path(args.run_dir or args.resume or "runs/gpt")
     if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
         raise MeshwiseError(
@@ -314,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         if done % args.eval_every == 0 and done < args.steps:
             evaluate()
         if args.time_budget and done % 5 == 0:
-            elapsed = torch.tensor([phase["train_s"]])
+            elapsed = torch.tensor([time.perf_counter() - phase["started"]])  # training and its evaluations
             if topo.world_size > 1:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops at the same step
             if elapsed.item() > args.time_budget:
@@ -325,6 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_loader.set_epoch(engine.state.epoch)
 
     evaluate()
+    phase["started"] = time.perf_counter()
     trainer.run(train_loader, max_iters=start + args.steps)
     end = trainer.state.iteration
     if bar is not None:
