@@ -245,11 +245,18 @@ def test_dp4_and_tp4_match_one_process(mesh):
 
 
 def _one_process(topo) -> dict:
+    from torch.distributed._composable.replicate import replicate
+
     import meshwise
     from meshwise.errors import ParallelError
 
     with pytest.raises(ParallelError, match="exactly one mesh dim with role 'replica'"):
         meshwise.parallelize(Net(), topo, tp_plan=tp_plan())
+    legacy = replicate(Net())
+    with pytest.raises(ParallelError, match="_composable.replicate"):
+        meshwise.parallelize(legacy, topo)
+    with pytest.raises(ParallelError, match="_composable.replicate"):
+        meshwise.create_trainer(legacy, torch.optim.SGD(legacy.parameters(), lr=0.1), F.mse_loss, topo)
     return _equivalence(topo, ["fsdp"])
 
 

@@ -35,10 +35,9 @@ def _state_kind(module: nn.Module) -> str | None:
         from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 
         return "replicate" if isinstance(module, ReplicateModule) else "fsdp"
-    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed._composable.contract import _get_registry
 
-    state = _get_module_state(module)
-    if state is not None and type(state).__module__.endswith("_composable.replicate"):
+    if "replicate" in (_get_registry(module) or {}):  # legacy composable replicate (a DDP underneath)
         return "legacy-replicate"
     return None
 
