@@ -18,11 +18,6 @@ def _field(root):
 
 
 def _strategies(topo, root):
-    import multiprocessing
-
-    # run_distributed's ranks are daemon processes, which may not start DataLoader workers; these workers
-    # exit with their rank (the DataLoader watchdog), so lifting the flag in this process is safe here.
-    multiprocessing.current_process()._config["daemon"] = False
     field = np.load(f"{root}/field.npy")
     out = {}
     for mode in ("train", "eval"):

@@ -128,7 +128,9 @@ def run_distributed(
     ``fn(topology, *args, **kwargs)``; without, ``fn(*args, **kwargs)`` runs with the launcher
     variables set. ``fn`` must be importable (a module-level function). After ``timeout``
     seconds every process is killed and :class:`DistributedFailure` names the ranks that had not
-    finished. Put many checks in one ``fn``: each launch costs process start-up.
+    finished. Put many checks in one ``fn``: each launch costs process start-up. Return plain values
+    (numbers, lists, tensors are pickled by value). Inside the ranks the default start method is the
+    forkserver's; DataLoader workers should ask for ``fork`` (``meshwise.data`` does).
     """
     ctx = _context()
     results = ctx.Queue()
@@ -137,7 +139,7 @@ def run_distributed(
         ctx.Process(
             target=_child,
             args=(r, nprocs, port, fn, args, kwargs, mesh, roles, pg_timeout, dict(env or {}), results),
-            daemon=True,
+            daemon=False,  # ranks may start DataLoader workers; _reap kills them whatever happens
         )
         for r in range(nprocs)
     ]
