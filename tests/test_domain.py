@@ -31,7 +31,12 @@ def _load(name: str, file: str):
 
 domain_model = _load("domain_model", "model.py")
 generate = _load("domain_generate", "generate.py")
-train = _load("domain_train", "train.py")
+
+
+def _train():
+    """The training script (imports ignite and torchmetrics: only the launch that trains pays for them)."""
+    return _load("domain_train", "train.py")
+
 
 TOL = 1e-5
 
@@ -187,6 +192,7 @@ def _train_rank(topo, data: str) -> dict:
 
     from meshwise.data import Shard, mesh_dataloader
 
+    train = _train()
     ds = train.open_dataset(data, "train")
     model, _, loader, trainer, evaluator = train.build(topo, ds, global_batch_size=GLOBAL_BATCH, **CFG)
     losses, shapes = [], []
@@ -223,7 +229,7 @@ def _reference(data: str) -> dict:
     """One process on the full fields, the same global batches (the sampler's order does not depend on dp)."""
     from meshwise.data import MeshSampler
 
-    ds = train.open_dataset(data, "train")
+    ds = _train().open_dataset(data, "train")
     x_all = torch.from_numpy(ds.sources["input"].array[...])
     y_all = torch.from_numpy(ds.sources["target"].array[...])
     torch.manual_seed(0)
