@@ -28,6 +28,12 @@ def _model(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
 
 
+def _quiet() -> None:
+    """Start each timed operation with no dirty pages pending (the previous one's writeback would slow it)."""
+    os.sync()
+    dist.barrier()
+
+
 def _slowest(seconds: float) -> float:
     t = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -35,6 +41,8 @@ def _slowest(seconds: float) -> float:
 
 
 def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -66,11 +74,18 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
         }
         return {"model": local, "optim": {"state": ostate, "param_groups": osd["param_groups"]}}
 
-    times: dict[str, list[float]] = {"plain": [], "sync": [], "async_call": [], "async_total": [], "load": []}
+    times: dict[str, list[float]] = {
+        "plain": [],
+        "dcp": [],
+        "sync": [],
+        "async_call": [],
+        "async_total": [],
+        "load": [],
+    }
     state_bytes = sum(t.numel() * t.element_size() for t in local_state()["model"].values()) * 3
     for rep in range(repeats):
         train_step()
-        dist.barrier()
+        _quiet()
         t = time.perf_counter()
         torch.save(local_state(), plain_dir / f"step-{rep}-rank-{topo.rank}.pt")  # a new file, as a checkpoint
         dist.barrier()  # done when every rank's file is written, as for a checkpoint
@@ -78,12 +93,23 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
         if rep:
             os.remove(plain_dir / f"step-{rep - 1}-rank-{topo.rank}.pt")  # keep one, as keep_last=1 does
 
+        _quiet()
+        t = time.perf_counter()  # DCP alone (same writer settings as a sync save): what meshwise builds on
+        msd, osd = get_state_dict(model, opt)
+        dcp.save(
+            {"model": msd, "optimizer": osd},
+            storage_writer=FileSystemWriter(str(base / f"dcp-{rep}"), sync_files=False),
+        )
         dist.barrier()
+        times["dcp"].append(_slowest(time.perf_counter() - t))
+
+        _quiet()
         t = time.perf_counter()
         sync.save(rep + 1, model=model, optimizer=opt)
-        times["sync"].append(_slowest(time.perf_counter() - t))
+        times["sync"].append(_slowest(time.perf_counter() - t))  # the loop waits until here; fsync runs behind
+        sync.latest_step()  # let rank 0 finish that fsync before the next measurement
 
-        dist.barrier()
+        _quiet()
         t = time.perf_counter()
         asyn.save(rep + 1, model=model, optimizer=opt)
         times["async_call"].append(_slowest(time.perf_counter() - t))  # how long training is blocked
@@ -93,7 +119,7 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
         fresh = _model(width, layers)
         fully_shard(fresh, mesh=topo.submesh("dp"))
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)
-        dist.barrier()
+        _quiet()
         t = time.perf_counter()
         sync.load(model=fresh, optimizer=fresh_opt)
         times["load"].append(_slowest(time.perf_counter() - t))
@@ -120,14 +146,20 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in out["times"].items()}
     mib = out["state_bytes"] / 2**20
-    print(f"{a.nprocs} ranks, {a.layers} x Linear({a.width}) + Adam: {mib:.1f} MiB of state per rank")
+    load = os.getloadavg()[0]
+    print(f"{a.nprocs} ranks, {a.layers} x Linear({a.width}) + Adam: {mib:.1f} MiB/rank; load average {load:.1f}")
     for k, v in med.items():
         print(f"  {k:12s} median {v * 1000:8.1f} ms   ({', '.join(f'{x * 1000:.0f}' for x in out['times'][k])})")
     # ratios of the same repeat, then their median: the load of a shared machine drifts between repeats
     t = out["times"]
     save_ratio = statistics.median(s / p for s, p in zip(t["sync"], t["plain"]))
     block_ratio = statistics.median(a / s for a, s in zip(t["async_call"], t["sync"]))
-    print(f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} load_s={med['load']:.3f}")
+    dcp_ratio = statistics.median(d / p for d, p in zip(t["dcp"], t["plain"]))
+    print(f"DCP alone / torch.save: {dcp_ratio:.2f}; meshwise sync save / DCP alone: {med['sync'] / med['dcp']:.2f}")
+    print(
+        f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} load_s={med['load']:.3f} "
+        f"dcp_ratio={dcp_ratio:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ moves; a load validates the files and the keys before touching anything and resh
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import json
@@ -92,6 +93,16 @@ def _write_file(path: Path, text: str, fsync: bool = True) -> None:
     os.replace(tmp, path)
     if fsync:
         _fsync_dir(path.parent)
+
+
+def _write_small(files: Mapping[Path, Any]) -> str | None:
+    """Write the small per-rank files; the error as text (reported at the commit), or None."""
+    try:
+        for path, value in files.items():
+            torch.save(value, path)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _digest(state: Any) -> str | None:
@@ -398,20 +409,26 @@ class Checkpointer:
         self._on_rank0(prepare)
 
         fresh = {n for n, k in kinds.items() if k == "optimizer" and not objects[n].state}
+        meta_dcp = any(k in ("module", "optimizer") and n not in fresh for n, k in kinds.items())
         error = None
         digests: dict[str, str | None] = {}
+        small: dict[Path, Any] = {}  # the small files; an async save writes them in its background thread
+        score = None
         try:
-            torch.save(self._rng_state(), tmp / RNG_DIR / f"rank-{self._rank:05d}.pt")
+            small[tmp / RNG_DIR / f"rank-{self._rank:05d}.pt"] = self._rng_state()
             for name, kind in kinds.items():
                 if kind != "state":
                     continue
                 sd = objects[name].state_dict()
                 digests[name] = _digest(sd)
                 if self._rank == 0:
-                    torch.save(sd, tmp / OBJECTS_DIR / f"{name}.pt")
+                    small[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
             score = self._score_value(objects) if self._rank == 0 else None
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {exc}"
+        if error is None and not (self.async_save and meta_dcp):
+            error = _write_small(small)
+            small = {}
         local = {"error": error, "digests": digests}  # reported at the commit, so async saves do not wait here
 
         meta = {
@@ -432,7 +449,7 @@ class Checkpointer:
             "score": score,
             "score_name": self.score if isinstance(self.score, str) else None,
             "rng_seed": self.rng_seed,
-            "dcp": any(k in ("module", "optimizer") and n not in fresh for n, k in kinds.items()),
+            "dcp": meta_dcp,
         }
         state = self._dcp_state(objects, kinds, owners, skip=fresh)
         import torch.distributed.checkpoint as dcp
@@ -452,7 +469,7 @@ class Checkpointer:
                 raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
             self._pending_step = step
             self._pending = threading.Thread(
-                target=self._finish_async, args=(future, step, tmp, meta, local), name=f"meshwise-ckpt-{step}"
+                target=self._finish_async, args=(future, step, tmp, meta, local, small), name=f"meshwise-ckpt-{step}"
             )
             self._pending.start()
         else:
@@ -484,8 +501,12 @@ class Checkpointer:
             state["cuda"] = torch.cuda.get_rng_state(self.topology.device)
         return state
 
-    def _finish_async(self, future: Any, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any]) -> None:
+    def _finish_async(
+        self, future: Any, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], small: dict[Path, Any]
+    ) -> None:
         try:
+            if local["error"] is None:
+                local["error"] = _write_small(small)
             try:
                 future.result()
             except Exception as exc:
