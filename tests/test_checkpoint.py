@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from meshwise import testing
 from meshwise.testing import free_port, run_command, run_distributed
 
 HERE = Path(__file__).resolve().parent
@@ -21,12 +20,6 @@ SCRIPTS = HERE / "ckpt_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import ckpt_common as cc  # noqa: E402
-
-# Every rank imports ignite and DCP (~3 s of CPU each on 2 cores): let the forkserver preload them when this
-# module is the first to start it (a no-op otherwise).
-for _name in ("ignite.engine", "torch.distributed.checkpoint", "torch.distributed.fsdp"):
-    if _name not in testing._PRELOAD:
-        testing._PRELOAD.append(_name)
 
 MESH = {"dp": 2, "tp": 2}
 

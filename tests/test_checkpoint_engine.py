@@ -9,16 +9,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from meshwise import testing
 from meshwise.testing import run_distributed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ckpt_scripts"))
 
 import ckpt_common as cc  # noqa: E402
-
-for _name in ("ignite.engine", "torch.distributed.checkpoint", "torch.distributed.fsdp"):  # see test_checkpoint.py
-    if _name not in testing._PRELOAD:
-        testing._PRELOAD.append(_name)
 
 MESH = {"dp": 2, "tp": 2}
 N, BATCH = 24, 8  # 3 steps per epoch
