@@ -212,7 +212,10 @@ def _train_rank(topo, data: str) -> dict:
         ds, topo, global_batch_size=6, mode="eval", parts={"input": Shard(2, halo=1), "target": Shard(2)}
     )
     evaluator.run(eval_loader)
+    # the script's own path (train + held-out evaluation) on the same topology
+    summary = train.main(["--data", data, "--epochs", "1", "--batch", "4", "--lr", "1e-2"], topology=topo)
     return {
+        "summary": summary,
         "losses": losses,
         "params": params,
         "shapes": shapes,
@@ -252,6 +255,7 @@ def test_domain_training_dp2_domain2_equals_one_process(tmp_path):
     assert np.all(targets.sum(axis=(1, 2, 3)) <= inputs[:, 0].sum(axis=(1, 2)) + 1e-3)
     assert np.abs(targets[:, 0] - inputs[:, 0]).max() > 1e-3
     generate.write(tmp_path, "train", inputs, targets, chunk_width=2, meta={"size": SIZE})
+    generate.write(tmp_path, "test", inputs[:6], targets[:6], chunk_width=2, meta={"size": SIZE})
     assert np.array_equal(np.load(tmp_path / "train_input.npy"), inputs)
 
     results = run_distributed(_train_rank, 4, str(tmp_path), mesh={"dp": 2, "domain": 2}, timeout=150)
@@ -259,7 +263,13 @@ def test_domain_training_dp2_domain2_equals_one_process(tmp_path):
     _assert_equivalence(results)
     _assert_errors(results)
     full = inputs[0].nbytes + targets[0].nbytes
+    x0, y0 = torch.from_numpy(inputs[:6, :1]), torch.from_numpy(targets[:6])
+    persistence = float(((x0 - y0).double() ** 2).mean())
     for r, res in enumerate(results):
+        summary = res["summary"]
+        assert summary["steps"] == STEPS and np.isfinite(summary["loss"]) and np.isfinite(summary["mse"])
+        assert abs(summary["mse_persistence"] - persistence) <= 1e-6 * persistence, (summary, persistence)
+        assert summary["mse"] == results[0]["summary"]["mse"]
         assert len(res["losses"]) == STEPS == len(ref["losses"])
         assert np.allclose(res["losses"], ref["losses"], rtol=1e-5, atol=1e-7), (res["losses"], ref["losses"])
         for name, p in ref["params"].items():

@@ -21,7 +21,7 @@ from ignite.engine import Events
 
 import meshwise
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
-from meshwise.metrics import MeanLoss
+from meshwise.metrics import MeanLoss, MeshMetric
 
 HERE = Path(__file__).resolve().parent
 
@@ -80,11 +80,27 @@ def build(
     # loss_weight="tokens": each rank's mean is weighted by its cells, so the global loss is the mean over all
     # cells of all samples, whatever the tile sizes; gradients are summed over domain and averaged over dp.
     trainer = meshwise.create_trainer(model, optimizer, mse, topo, loss_weight="tokens")
-    evaluator = meshwise.create_evaluator(model, topo, metrics={"mse": MeanLoss(loss_fn=lambda out, t: (out - t) ** 2)})
+    input_part = loader.parts["input"]
+
+    def persistence(output, batch):  # the baseline "nothing changes": u0 on the owned cells against the target
+        return ((input_part.strip_halo(batch["input"])[:, :1] - batch["target"]) ** 2,)
+
+    evaluator = meshwise.create_evaluator(
+        model,
+        topo,
+        metrics={
+            "mse": MeanLoss(loss_fn=lambda out, t: (out - t) ** 2),
+            "mse_persistence": MeshMetric(MeanLoss(), topo, select=persistence),
+        },
+    )
     return model, optimizer, loader, trainer, evaluator
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, topology=None) -> dict:
+    """Train, evaluate on the held-out set and return ``{"steps", "loss", "mse", "mse_persistence", "bytes_read"}``.
+
+    ``topology``: an existing one (tests); by default ``meshwise.init`` here and ``shutdown`` at the end.
+    """
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="data/heat", help="folder written by generate.py")
     parser.add_argument("--mesh", default=None, help="e.g. dp=-1,domain=2 (default: MESHWISE_MESH or that)")
@@ -94,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
 
-    topo = meshwise.init(args.mesh or os.environ.get("MESHWISE_MESH") or "dp=-1,domain=2")
+    topo = topology or meshwise.init(args.mesh or os.environ.get("MESHWISE_MESH") or "dp=-1,domain=2")
     train_set, eval_set = open_dataset(args.data, "train"), open_dataset(args.data, "test")
     model, _, loader, trainer, evaluator = build(topo, train_set, global_batch_size=args.batch, halo=args.halo)
     eval_loader = mesh_dataloader(
@@ -117,10 +133,19 @@ def main(argv: list[str] | None = None) -> None:
         mb = loader.bytes_read / 2**20
         print(
             f"{topo.describe().splitlines()[1]}\ntrained {trainer.state.iteration} steps in "
-            f"{time.perf_counter() - start:.1f}s; held-out MSE per cell {evaluator.state.metrics['mse']:.3e}; "
-            f"rank 0 read {mb:.1f} MiB"
+            f"{time.perf_counter() - start:.1f}s; held-out MSE per cell {evaluator.state.metrics['mse']:.3e} "
+            f"(predicting no change: {evaluator.state.metrics['mse_persistence']:.3e}); rank 0 read {mb:.1f} MiB"
         )
-    meshwise.shutdown()
+    summary = {
+        "steps": trainer.state.iteration,
+        "loss": trainer.state.output,
+        "mse": evaluator.state.metrics["mse"],
+        "mse_persistence": evaluator.state.metrics["mse_persistence"],
+        "bytes_read": loader.bytes_read,
+    }
+    if topology is None:
+        meshwise.shutdown()
+    return summary
 
 
 if __name__ == "__main__":
