@@ -531,7 +531,14 @@ def init(
             if env.world_size == 1:
                 # One process needs no rendezvous: an in-memory store keeps DeviceMesh, DTensor and DCP working.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            elif env.launcher == "torchrun" or env.launcher == "env":
+            elif env.launcher == "torchrun":
+                # Every restart of a torchrun group (--max-restarts) reuses the agent's store, where the dead
+                # attempt's gloo addresses still sit: a prefix per attempt keeps the new group from dialling them.
+                store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+                attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                prefixed = dist.PrefixStore(f"meshwise/attempt-{attempt}", store)
+                dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+            elif env.launcher == "env":
                 dist.init_process_group(backend, init_method="env://", timeout=timeout)
             else:
                 dist.init_process_group(

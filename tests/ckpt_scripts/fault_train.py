@@ -21,31 +21,10 @@ import ckpt_common as cc  # noqa: E402
 import meshwise  # noqa: E402
 
 
-def _join_group(attempt: int) -> None:
-    """Join the default group through a store prefixed by the attempt.
-
-    Under torchrun the workers of every attempt share the agent's store; gloo's address keys of the killed
-    attempt are still there, so a restarted group would try to connect to dead processes.
-    """
-    import datetime
-
-    import torch.distributed as dist
-
-    store, rank, world = next(dist.rendezvous("env://"))
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"meshwise-attempt-{attempt}", store),
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-
-
 def main() -> None:
     root, logs, out = sys.argv[1:4]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _join_group(attempt)
-    topo = meshwise.init()  # adopts the group made above
+    topo = meshwise.init()  # a restarted attempt joins through its own store prefix
     ck = meshwise.Checkpointer(root, topo, verbose=False)
     resumed_from = ck.latest_step()
     found = sorted(os.listdir(root)) if os.path.isdir(root) else []
