@@ -86,7 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ev.add_argument("--eval-samples", type=int, default=500, help="held-out windows to evaluate (0: all)")
     ev.add_argument("--eval-batch-size", type=int, default=32)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("steps", "batch_size", "eval_every", "eval_batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.eval_samples < 0:
+        p.error(f"--eval-samples must be 0 (all) or positive, got {args.eval_samples}")
+    return args
 
 
 # --------------------------------------------------------------------------- data
@@ -246,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
     model = GPT(cfg)
     n_params = model.num_parameters()
-    model = meshwise.parallelize(model, topo, tp_plan=tp_plan(model), dp="fsdp", fsdp_units=Block)
+    plan = tp_plan(model) if tp > 1 else None  # without a tensor-parallel dim (or of size 1): data parallel only
+    model = meshwise.parallelize(model, topo, tp_plan=plan, dp="fsdp", fsdp_units=Block)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -277,8 +284,13 @@ def main(argv: list[str] | None = None) -> dict:
         prepare=as_token_ids,
     )
     checkpointer = meshwise.Checkpointer(run_dir / "checkpoints", topo)
-    state_objects = {"model": model, "optimizer": optimizer, "engine": trainer, "loader": train_loader}
-    state_objects["scheduler"] = scheduler
+    state_objects = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "engine": trainer,
+        "loader": train_loader,
+    }
 
     start = 0
     if args.resume:
