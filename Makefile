@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/meshwise run --nproc-per-node $(NPROC) --mesh dp=-1,tp=2 examples/topology_demo.py
+	$(BIN)/python examples/gpt/demo.py --nproc $(NPROC)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
