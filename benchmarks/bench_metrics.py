@@ -15,29 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
-
-
-class Counter:
-    def __init__(self) -> None:
-        self.calls = 0
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> Counter:
-        for name in COUNTED:
-            real = getattr(dist, name)
-            self._saved[name] = real
-
-            def wrapper(*args, __real=real, **kwargs):
-                self.calls += 1
-                return __real(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
+from meshwise.testing import CollectiveCounter
 
 
 def _five(**kw):
@@ -88,7 +66,7 @@ def _bench(topo, iters: int, rows: int) -> dict:
         _update(naive, batch)
         for side in ("meshwise", "sum_only", "naive"):
             dist.barrier(group=group)
-            with Counter() as counter:
+            with CollectiveCounter() as counter:
                 start = time.perf_counter()
                 if side == "meshwise":
                     mine = compute_all(list(ours.values()))
@@ -99,7 +77,7 @@ def _bench(topo, iters: int, rows: int) -> dict:
                 elapsed = time.perf_counter() - start
             if it >= 2:
                 times[side].append(elapsed)
-            calls[side] = counter.calls
+            calls[side] = len(counter.calls)
         for a, b in zip(mine, theirs):
             assert torch.allclose(torch.as_tensor(a).double(), torch.as_tensor(b).double(), rtol=1e-5, atol=1e-6)
     return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}}

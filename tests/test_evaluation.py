@@ -18,37 +18,11 @@ from torchmetrics.regression import MeanSquaredError
 import meshwise
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
 from meshwise.metrics import MeanLoss, MeshMetric, compute_all
-from meshwise.testing import run_distributed
+from meshwise.testing import CollectiveCounter, run_distributed
 
 LENGTHS = (1, 5, 7, 101)
 B_LOCAL = 4  # rows per rank and step; 12 for the long dataset, to keep its step count small
 FEATURES, CELLS, CLASSES = 8, 8, 3
-
-COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
-
-
-class Counter:
-    """Counts torch.distributed collectives made while active (calls go through to torch unchanged)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> Counter:
-        for name in COUNTED:
-            real = getattr(dist, name)
-            self._saved[name] = real
-
-            def wrapper(*args, __real=real, __name=name, **kwargs):
-                self.calls.append(__name)
-                return __real(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
 
 
 def dataset(n: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -158,11 +132,11 @@ def _evaluate_mlp(topo, replica_check: bool = False, dtensor: bool = False) -> d
         out["reference"][n] = _reference(reference_model, data)
         if n == 101:
             mesh_metrics = list(evaluator.mesh_metrics.values())
-            with Counter() as all_metrics:
+            with CollectiveCounter() as all_metrics:
                 again = compute_all(mesh_metrics)
             recorded = [m.last_collectives for m in mesh_metrics]
             sum_only = [m for name, m in evaluator.mesh_metrics.items() if name != "auroc"]
-            with Counter() as sums:
+            with CollectiveCounter() as sums:
                 compute_all(sum_only)
             out["collectives"] = (all_metrics.calls, sums.calls, recorded)
             out["again_acc"] = again[0]["acc"].item()

@@ -14,33 +14,7 @@ from torchmetrics.functional.classification import binary_auroc, multiclass_accu
 
 from meshwise.errors import CollectiveTimeout, MetricError
 from meshwise.metrics import MeanLoss, MeshMetric, MetricSyncTimeout, attach, compute_all, filter_rows
-from meshwise.testing import run_distributed
-
-COUNTED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
-
-
-class Counter:
-    """Counts torch.distributed collectives made while active (calls go through to torch unchanged)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self._saved: dict[str, object] = {}
-
-    def __enter__(self) -> Counter:
-        for name in COUNTED:
-            real = getattr(dist, name)
-            self._saved[name] = real
-
-            def wrapper(*args, __real=real, __name=name, **kwargs):
-                self.calls.append(__name)
-                return __real(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
+from meshwise.testing import CollectiveCounter, run_distributed
 
 
 class RankMean(Metric):
@@ -136,7 +110,7 @@ def _scenarios(topo) -> dict:
     logits = torch.stack([x, -x, x * x], dim=1)
     metrics["cls"].update(logits, labels, valid=valid)
     metrics["auroc"].update(scores, (labels == 1).long(), valid=valid)
-    with Counter() as fused:
+    with CollectiveCounter() as fused:
         values = compute_all(list(metrics.values()))
     out["fused_calls"] = fused.calls
     out["values"] = dict(zip(metrics, values))
@@ -196,9 +170,9 @@ def _scenarios(topo) -> dict:
         naive["acc"].update(ours_x, ours_y)
         naive["f1"].update(ours_x, ours_y)
         naive["sum"].update(x)
-    with Counter() as one:
+    with CollectiveCounter() as one:
         mine = ours.compute()
-    with Counter() as many:
+    with CollectiveCounter() as many:
         theirs = naive.compute()
     out["sum_only_calls"], out["naive_calls"] = one.calls, many.calls
     out["same_as_torchmetrics"] = all(torch.allclose(mine[k], theirs[k]) for k in mine)
@@ -228,7 +202,7 @@ def _scenarios(topo) -> dict:
     for m in (checked, unchecked):
         m.update(torch.ones(3) * (1 + tp))
     out["replica_error"] = _raises(checked.compute)
-    with Counter() as off:
+    with CollectiveCounter() as off:
         unchecked.compute()
     out["replica_off_calls"] = off.calls
     os.environ["MESHWISE_DEBUG"] = "1"
@@ -304,7 +278,7 @@ def _stages(topo) -> dict:
     silent = attach(SumMetric(), topo, stage_result="none")
     for m in (broadcast, silent):  # only the last stage holds outputs; the update is a no-op elsewhere
         m.update(torch.ones(3) * (topo.coordinate("dp") + 1) * (1 if topo.is_last_stage else 100))
-    with Counter() as calls:
+    with CollectiveCounter() as calls:
         value = broadcast.compute()
     silent_value = silent.compute()
     return {"value": value.item(), "calls": calls.calls, "silent": _plain(silent_value), "last": topo.is_last_stage}

@@ -318,11 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
         bar = tqdm(total=args.steps, desc=f"{mesh_name} step", dynamic_ncols=True, file=sys.stdout)
 
     def evaluate() -> float:
-        evaluator.run(val_loader)
-        if hasattr(model, "reshard"):
-            # FSDP2 keeps the root's parameters unsharded after a forward without backward; a checkpoint
-            # (and the optimizer) must see the sharded ones again.
-            model.reshard()
+        evaluator.run(val_loader)  # leaves FSDP2 modules resharded, as the optimizer and checkpoint need
         phase["val"].append(float(evaluator.state.metrics["loss"]))
         return phase["val"][-1]
 

@@ -148,7 +148,15 @@ def create_evaluator(
 
     @engine.on(Events.COMPLETED)
     def _restore(_: Engine) -> None:
-        if isinstance(model, nn.Module) and mode.get("training"):
-            model.train()
+        if isinstance(model, nn.Module):
+            # A forward without backward leaves FSDP2's root unsharded: parameters() would then not be the
+            # tensors the optimizer holds, and a checkpoint taken now would refuse the pair.
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+            if mode.get("training"):
+                model.train()
 
     return engine

@@ -50,6 +50,39 @@ def _context() -> Any:
     return _CTX
 
 
+class CollectiveCounter:
+    """Records the ``torch.distributed`` collectives called while active, by name; calls go through unchanged.
+
+    ``with CollectiveCounter() as c: metric.compute()`` then ``c.calls == ["all_reduce"]``.
+    """
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "broadcast_object_list", "barrier")
+
+    def __init__(self, names: Sequence[str] = NAMES) -> None:
+        self.names = tuple(names)
+        self.calls: list[str] = []
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> CollectiveCounter:
+        import torch.distributed as dist
+
+        for name in self.names:
+            real = self._saved[name] = getattr(dist, name)
+
+            def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+                self.calls.append(_name)
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
 def free_port() -> int:
     """A TCP port on localhost that was free a moment ago."""
     with socket.socket() as s:
