@@ -373,3 +373,21 @@ def test_fault_restart_resumes_from_latest(runs, fault):
                 per_epoch.setdefault(r["epoch"], []).extend(r["index"])
     assert sorted(per_epoch[1]) == list(range(cc.N_SAMPLES))  # epoch 1: every sample exactly once
     assert len(per_epoch[2]) == len(set(per_epoch[2])) == 2 * cc.GLOBAL_BATCH
+
+
+def _per_rank_roots(topo, base):
+    import meshwise
+    from meshwise.errors import CheckpointError
+
+    try:
+        meshwise.Checkpointer(f"{base}/rank-{topo.rank}", topo)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_root_that_differs_between_ranks_is_refused(tmp_path):
+    messages = run_distributed(_per_rank_roots, 2, str(tmp_path), mesh={"dp": 2})
+    for message in messages:
+        assert message is not None and "differs between ranks" in message and "rank-1" in message
+    assert not any(tmp_path.iterdir())  # nothing was written

@@ -227,3 +227,32 @@ def test_describe_cli_and_its_errors():
     assert bad.returncode == 2 and "holds 6 ranks but the world size is 8" in bad.stdout
     bad = run_command([str(BIN / "meshwise"), "run", "--nproc-per-node", "4", "--mesh", "dp=3", "x.py"], check=False)
     assert bad.returncode == 2 and "holds 3 ranks but the world size is 4" in bad.stdout
+
+
+def test_quickstart_example_gives_the_same_numbers_on_every_mesh(tmp_path):
+    """The README's quick start, run as it is: one process and dp=2 x tp=2 print the same loss and metric."""
+    script = str(ROOT / "examples" / "quickstart.py")
+    plain = run_command([sys.executable, script, "--checkpoints", str(tmp_path / "one")], timeout=120).stdout
+    launched = run_command(
+        [
+            str(BIN / "meshwise"),
+            "run",
+            "--nproc-per-node",
+            "4",
+            "--mesh",
+            "dp=-1,tp=2",
+            script,
+            "--checkpoints",
+            str(tmp_path / "four"),
+        ],
+        timeout=180,
+    ).stdout
+
+    def numbers(out):
+        line = next(x for x in out.splitlines() if "held-out mse" in x)
+        return [float(w.rstrip(",")) for w in line.split() if w[0].isdigit() and "." in w]
+
+    one, four = numbers(plain), numbers(launched)
+    assert "mesh dp=2 x tp=2" in launched
+    assert len(one) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(one, four)), (one, four)
+    assert (tmp_path / "four" / "latest").read_text().strip() == "step-24"  # 3 epochs of 8 steps, kept

@@ -187,6 +187,17 @@ class Checkpointer:
         if mode not in ("max", "min"):
             raise CheckpointError(f"mode must be 'max' (higher score is better) or 'min', got {mode!r}")
         self.root = Path(root)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # One checkpoint is written by every rank together: a per-rank path (a tempfile, a rank in the name)
+            # would leave shards and commit markers in folders no rank could ever load from.
+            roots: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(roots, str(self.root.absolute()))
+            if len(set(roots)) > 1:
+                listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(roots))
+                raise CheckpointError(
+                    f"the Checkpointer root differs between ranks ({listing}): pass the same path on every rank "
+                    "(on several nodes, a shared file system)"
+                )
         self.topology = topo
         self.keep_last = keep_last
         self.keep_best = keep_best

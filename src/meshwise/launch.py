@@ -25,6 +25,7 @@ def _run(argv: Sequence[str]) -> int:
     parser.add_argument("--roles", default=None, help="roles of dims without a default, e.g. space=split")
     parser.add_argument("--timeout", default=None, type=float, help="collective timeout in seconds")
     args = parser.parse_args(list(argv))
+    _standalone_by_default(args, argv)
     if args.mesh is not None:
         world = _planned_world(args)
         if world:
@@ -43,6 +44,23 @@ def _run(argv: Sequence[str]) -> int:
         print(exc.format_msg(), file=sys.stderr)
         return 1
     return 0
+
+
+def _standalone_by_default(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """One node and no rendezvous given: rendezvous on a free port (torchrun --standalone).
+
+    torchrun's own default is 127.0.0.1:29500, so two single-node jobs on one machine (two users, or a
+    job and its tests) collide and fail in confusing ways. Any explicit address keeps torchrun's rules.
+    """
+    options = set()
+    for token in argv:
+        if token == args.training_script:
+            break
+        options.add(token.split("=", 1)[0].replace("_", "-"))
+    explicit = {"--master-port", "--master-addr", "--rdzv-endpoint", "--rdzv-backend", "--standalone", "--nnodes"}
+    multi_node_slurm = "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NNODES", "1")) > 1
+    if not options & explicit and not multi_node_slurm:
+        args.standalone = True
 
 
 def _planned_world(args: argparse.Namespace) -> int | None:
