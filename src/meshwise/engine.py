@@ -72,7 +72,21 @@ def _split(batch: Batch, rows: int, parts: int) -> list[dict[str, Any]]:
     return [_take_rows(batch, rows, slice(lo, hi)) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
+def ready_batch(
+    batch: Any,
+    prepare: Callable[[Batch], Batch] | None,
+    device: torch.device,
+    who: str,
+    error: type[MeshwiseError] = MeshwiseError,
+) -> dict[str, Any]:
+    """Apply the user's ``prepare`` hook, check the batch is a dict, and move only its tensors to ``device``."""
+    if prepare is not None:
+        batch = prepare(batch)
+    if not isinstance(batch, Mapping):
+        raise error(
+            f"the {who} expects dict batches, got {type(batch).__name__}: use meshwise.data.mesh_dataloader "
+            "or a prepare= hook returning a dict"
+        )
     return {
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and v.device != device else v
         for k, v in batch.items()
@@ -179,14 +193,7 @@ def create_trainer(
     def step(engine: Engine, batch: Batch) -> float:
         if not model.training:
             model.train()
-        if prepare is not None:
-            batch = prepare(batch)
-        if not isinstance(batch, Mapping):
-            raise MeshwiseError(
-                f"the trainer expects dict batches, got {type(batch).__name__}: use meshwise.data.mesh_dataloader "
-                "or a prepare= hook returning a dict"
-            )
-        batch = _to_device(batch, device)
+        batch = ready_batch(batch, prepare, device, "trainer")
         rows = _rows(batch, input_key)
         micros = _split(batch, rows, accumulation_steps)
         optimizer.zero_grad(set_to_none=True)

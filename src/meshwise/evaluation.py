@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric, MetricCollection
 
+from meshwise.engine import ready_batch
 from meshwise.errors import MetricError
 from meshwise.metrics import MeshMetric, Select, _resolve, compute_all
 from meshwise.topology import Topology
@@ -34,10 +35,6 @@ def _plain(value: Any) -> Any:
         value = value.detach().cpu()
         return float(value) if value.ndim == 0 else value
     return value
-
-
-def _to_device(batch: Batch, device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v for k, v in batch.items()}
 
 
 def create_evaluator(
@@ -96,14 +93,7 @@ def create_evaluator(
     default_select = select or (lambda output, batch: (output, batch[target_key]))
 
     def step(engine: Engine, batch: Batch) -> Any:
-        if prepare is not None:
-            batch = prepare(batch)
-        if not isinstance(batch, Mapping):
-            raise MetricError(
-                f"the evaluator expects dict batches, got {type(batch).__name__}: use meshwise.data.mesh_dataloader "
-                "(mode='eval') or a prepare= hook returning a dict"
-            )
-        batch = _to_device(batch, device)
+        batch = ready_batch(batch, prepare, device, "evaluator", MetricError)
         with torch.no_grad():
             output = _full(run_forward(model, batch))
             valid = batch.get("valid")
