@@ -1,16 +1,22 @@
 """Checkpoint cost: Checkpointer.save against plain torch.save of the same per-rank state, async blocking, load time.
 
-Runs 2 gloo ranks (FSDP2 over dp=2) on a 4-layer MLP with Adam. Each time is that of the slowest rank; the
-ratios are medians over repeats of the ratio within one repeat. The baseline writes each rank's local shards of
-model and optimizer with one ``torch.save`` to a new file per save (as a step-numbered checkpoint would).
-Final line: ``RESULT save_ratio=... async_block_ratio=... load_s=...``.
+Runs 2 gloo ranks (FSDP2 over dp=2) on a 4-layer MLP with Adam, sized by ``--mib``: the model + optimizer state
+held by each rank (parameters and Adam's two moments; 128 MiB by default, ~45 s; ``--mib 512`` takes ~3 min). The
+baseline writes each rank's local shards of model and optimizer with one ``torch.save`` to a new file per save (as a
+step-numbered checkpoint would). Both sides write the same tensors (the bytes each wrote are printed) to files
+under the same folder (``--dir``, default the system temp folder), into the page cache: neither side's timed part
+fsyncs (meshwise fsyncs in a thread of rank 0 after the call returns), and every timed operation starts after an
+``os.sync()`` so no earlier writeback is pending. Each time is that of the slowest rank; one untimed warm-up
+repeat first (the async stager allocates its buffers then); the ratios are medians over repeats of the ratio
+within one repeat. Final line: ``RESULT save_ratio=... async_block_ratio=... load_s=...``.
 
-    .venv/bin/python benchmarks/bench_checkpoint.py [--width 1024] [--repeats 5]
+    .venv/bin/python benchmarks/bench_checkpoint.py [--mib 128] [--repeats 5] [--warmup 1] [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -21,6 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+
+def _width_for(mib: float, layers: int, nprocs: int) -> int:
+    """The width (a multiple of 64) whose model + Adam state per rank is closest to ``mib`` MiB (fp32, FSDP2)."""
+    # per rank: 3 copies (param, exp_avg, exp_avg_sq) of 4-byte floats of 1/nprocs of layers * (w*w + w) values
+    w = math.sqrt(mib * 2**20 * nprocs / (12 * layers))
+    return max(64, int(round(w / 64)) * 64)
 
 
 def _model(width: int, layers: int) -> torch.nn.Module:
@@ -40,7 +53,19 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
+def _total(values: float) -> float:
+    t = torch.tensor([values], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t)
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, warmup: int) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -51,7 +76,7 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
     model = _model(width, layers)
     fully_shard(model, mesh=topo.submesh("dp"))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x = torch.randn(64, width)
+    x = torch.randn(batch, width)
 
     def train_step() -> None:
         opt.zero_grad()
@@ -74,25 +99,39 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
         }
         return {"model": local, "optim": {"state": ostate, "param_groups": osd["param_groups"]}}
 
-    times: dict[str, list[float]] = {
-        "plain": [],
-        "dcp": [],
-        "sync": [],
-        "async_call": [],
-        "async_total": [],
-        "load": [],
-    }
-    state_bytes = sum(t.numel() * t.element_size() for t in local_state()["model"].values()) * 3
-    for rep in range(repeats):
-        train_step()
+    names = ("plain", "dcp", "sync", "async_call", "async_total", "load")
+    times: dict[str, list[float]] = {k: [] for k in names}
+    written: dict[str, int] = {}  # bytes on disk of the last repeat, all ranks together
+    st = local_state()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for part in (st["model"], *st["optim"]["state"].values())
+        for t in part.values()
+        if isinstance(t, torch.Tensor)
+    )
+    del st
+
+    def record(rep: int, name: str, seconds: float) -> None:
+        if rep >= warmup:
+            times[name].append(seconds)
+
+    def settle() -> None:
+        """No deletion of an older checkpoint left running (meshwise prunes in background threads)."""
+        for ckpt in (sync, asyn):
+            for thread in ckpt._reapers:
+                thread.join()
+
+    def plain_save(rep: int) -> None:
         _quiet()
         t = time.perf_counter()
         torch.save(local_state(), plain_dir / f"step-{rep}-rank-{topo.rank}.pt")  # a new file, as a checkpoint
         dist.barrier()  # done when every rank's file is written, as for a checkpoint
-        times["plain"].append(_slowest(time.perf_counter() - t))
+        record(rep, "plain", _slowest(time.perf_counter() - t))
+        written["plain"] = int(_total(_size(plain_dir / f"step-{rep}-rank-{topo.rank}.pt")))
         if rep:
             os.remove(plain_dir / f"step-{rep - 1}-rank-{topo.rank}.pt")  # keep one, as keep_last=1 does
 
+    def dcp_save(rep: int) -> None:
         _quiet()
         t = time.perf_counter()  # DCP alone (same writer settings as a sync save): what meshwise builds on
         msd, osd = get_state_dict(model, opt)
@@ -101,53 +140,94 @@ def _bench(topo, root: str, width: int, layers: int, repeats: int) -> dict:
             storage_writer=FileSystemWriter(str(base / f"dcp-{rep}"), sync_files=False),
         )
         dist.barrier()
-        times["dcp"].append(_slowest(time.perf_counter() - t))
+        record(rep, "dcp", _slowest(time.perf_counter() - t))
+        if topo.rank == 0:
+            written["dcp"] = _size(base / f"dcp-{rep}")
+            if rep:
+                shutil.rmtree(base / f"dcp-{rep - 1}")  # keep one, as the others do
+        dist.barrier()
 
+    def sync_save(rep: int) -> None:
         _quiet()
         t = time.perf_counter()
         sync.save(rep + 1, model=model, optimizer=opt)
-        times["sync"].append(_slowest(time.perf_counter() - t))  # the loop waits until here; fsync runs behind
-        sync.latest_step()  # let rank 0 finish that fsync before the next measurement
+        record(rep, "sync", _slowest(time.perf_counter() - t))  # the loop waits until here; fsync runs behind
+        sync.latest_step()  # let rank 0 finish that fsync (and prune) before the next measurement
+        settle()
 
+    def async_save(rep: int) -> None:
         _quiet()
         t = time.perf_counter()
         asyn.save(rep + 1, model=model, optimizer=opt)
-        times["async_call"].append(_slowest(time.perf_counter() - t))  # how long training is blocked
+        record(rep, "async_call", _slowest(time.perf_counter() - t))  # how long training is blocked
         asyn.wait()
-        times["async_total"].append(_slowest(time.perf_counter() - t))
+        record(rep, "async_total", _slowest(time.perf_counter() - t))
+        settle()
 
+    saves = [plain_save, dcp_save, sync_save, async_save]
+    fresh = fresh_opt = None
+    for rep in range(warmup + repeats):
+        train_step()
+        for op in saves[rep % 4 :] + saves[: rep % 4]:  # each save first in turn: no order effect
+            op(rep)
+        del fresh, fresh_opt
         fresh = _model(width, layers)
         fully_shard(fresh, mesh=topo.submesh("dp"))
         fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-3)
         _quiet()
         t = time.perf_counter()
-        sync.load(model=fresh, optimizer=fresh_opt)
-        times["load"].append(_slowest(time.perf_counter() - t))
+        sync.load(model=fresh, optimizer=fresh_opt)  # from the page cache: the files were just written
+        record(rep, "load", _slowest(time.perf_counter() - t))
     asyn.close()
-    return {"times": times, "state_bytes": state_bytes}
+    sync.close()
+    if topo.rank == 0:
+        written["sync"] = _size(sync.step_path(warmup + repeats))
+        written["async"] = _size(asyn.step_path(warmup + repeats))
+    return {"times": times, "state_bytes": _total(state_bytes) / topo.world_size, "written": written}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--mib", type=float, default=128, help="model + Adam state per rank, MiB (sets the width)")
+    p.add_argument("--width", type=int, default=None, help="the MLP's width, instead of --mib")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="rows of the training step's input")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1, help="untimed repeats first")
     p.add_argument("--nprocs", type=int, default=2)
+    p.add_argument("--dir", default=None, help="folder for the checkpoints (default: the system temp folder)")
     a = p.parse_args()
+    width = a.width or _width_for(a.mib, a.layers, a.nprocs)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from meshwise.testing import run_distributed
 
-    root = tempfile.mkdtemp(prefix="bench-ckpt-")
+    root = tempfile.mkdtemp(prefix="bench-ckpt-", dir=a.dir)
+    started = time.perf_counter()
     try:
         out = run_distributed(
-            _bench, a.nprocs, root, a.width, a.layers, a.repeats, mesh={"dp": a.nprocs}, timeout=600, pg_timeout=120
+            _bench,
+            a.nprocs,
+            root,
+            width,
+            a.layers,
+            a.batch,
+            a.repeats,
+            a.warmup,
+            mesh={"dp": a.nprocs},
+            timeout=1800,
+            pg_timeout=600,
         )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    wall = time.perf_counter() - started
     med = {k: statistics.median(v) for k, v in out["times"].items()}
     mib = out["state_bytes"] / 2**20
     load = os.getloadavg()[0]
-    print(f"{a.nprocs} ranks, {a.layers} x Linear({a.width}) + Adam: {mib:.1f} MiB/rank; load average {load:.1f}")
+    print(
+        f"{a.nprocs} ranks, {a.layers} x Linear({width}) + Adam: {mib:.1f} MiB/rank; {a.repeats} repeats "
+        f"(+{a.warmup} warm-up) in {wall:.0f} s; load average {load:.1f}"
+    )
+    print("  written, all ranks: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in out["written"].items()))
     for k, v in med.items():
         print(f"  {k:12s} median {v * 1000:8.1f} ms   ({', '.join(f'{x * 1000:.0f}' for x in out['times'][k])})")
     # ratios of the same repeat, then their median: the load of a shared machine drifts between repeats
