@@ -256,3 +256,19 @@ def test_quickstart_example_gives_the_same_numbers_on_every_mesh(tmp_path):
     assert "mesh dp=2 x tp=2" in launched
     assert len(one) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(one, four)), (one, four)
     assert (tmp_path / "four" / "latest").read_text().strip() == "step-24"  # 3 epochs of 8 steps, kept
+
+
+def _init_again():
+    sums = []
+    for mesh in ({"dp": 2, "tp": 2}, {"dp": 4}):
+        topo = meshwise.init(mesh, timeout=20)
+        value = torch.ones(1)
+        dist.all_reduce(value, group=topo.group(topo.dims[0]))
+        sums.append(value.item())
+        meshwise.shutdown()
+    return sums
+
+
+def test_init_after_shutdown_builds_a_fresh_group():
+    # The old group's gloo addresses stay in the launcher's store: a second init must not dial them.
+    assert run_distributed(_init_again, 4, timeout=90) == [[2.0, 4.0]] * 4

@@ -474,6 +474,8 @@ class Topology:
 
 
 _CURRENT: Topology | None = None
+_STORE: dist.Store | None = None  # the launcher's rendezvous store, kept for a later init() in this process
+_INITS = 0
 
 
 def current() -> Topology | None:
@@ -507,7 +509,7 @@ def init(
     rendezvous and every collective of every group meshwise creates. Under a launcher
     (torchrun, srun, mpirun) every process must call this with the same arguments.
     """
-    global _CURRENT
+    global _CURRENT, _STORE, _INITS
     if _CURRENT is not None:
         raise TopologyError("meshwise.init() was already called in this process: call meshwise.shutdown() first")
     env = detect_environment()
@@ -531,15 +533,18 @@ def init(
             if env.world_size == 1:
                 # One process needs no rendezvous: an in-memory store keeps DeviceMesh, DTensor and DCP working.
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-            elif env.launcher == "torchrun":
-                # Every restart of a torchrun group (--max-restarts) reuses the agent's store, where the dead
-                # attempt's gloo addresses still sit: a prefix per attempt keeps the new group from dialling them.
-                store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            elif env.launcher in ("torchrun", "env"):
+                # The store outlives a group: a restarted torchrun attempt (--max-restarts) meets the agent's
+                # store, and a second init() in one process meets its own, both still holding the old group's
+                # gloo addresses. A fresh prefix per attempt and per init keeps a new group from dialling them.
+                if _STORE is None:
+                    _STORE = next(dist.rendezvous("env://", timeout=timeout))[0]
                 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                prefixed = dist.PrefixStore(f"meshwise/attempt-{attempt}", store)
-                dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
-            elif env.launcher == "env":
-                dist.init_process_group(backend, init_method="env://", timeout=timeout)
+                prefixed = dist.PrefixStore(f"meshwise/attempt-{attempt}/init-{_INITS}", _STORE)
+                _INITS += 1
+                dist.init_process_group(
+                    backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=timeout
+                )
             else:
                 dist.init_process_group(
                     backend,
