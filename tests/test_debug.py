@@ -55,3 +55,29 @@ def test_guarded_collectives_name_what_went_wrong():
     msg = results[0]["skip"]
     assert msg is not None and "tp (replica)" in msg and "ranks [1] did not arrive" in msg and "step 21" in msg
     assert results[0]["elapsed"] < 15
+
+
+def _trainer_with_a_rank_that_stops_early(topo):
+    import meshwise
+    from meshwise.data import ArrayDataset, mesh_dataloader
+
+    torch.manual_seed(0)
+    model = meshwise.parallelize(torch.nn.Linear(4, 1), topo, dp="replicate")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
+    data = ArrayDataset({"input": torch.randn(64, 4), "target": torch.randn(64, 1)})
+    loader = mesh_dataloader(data, topo, global_batch_size=8)
+    start = time.monotonic()
+    try:
+        trainer.run(loader, max_epochs=1, epoch_length=3 if topo.rank == 0 else 2)  # rank 1 leaves early
+    except CollectiveTimeout as exc:
+        return str(exc), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_trainer_names_the_rank_that_left_the_loop():
+    results = run_distributed(_trainer_with_a_rank_that_stops_early, 2, mesh={"dp": 2}, pg_timeout=3, timeout=60)
+    message, elapsed = results[0]
+    assert message is not None, "rank 0 should have been told that rank 1 never arrived"
+    assert "dp (batch)" in message and "trainer step" in message and "step 3" in message and "ranks [1] did not arrive" in message
+    assert results[1][0] is None and elapsed < 20

@@ -106,6 +106,8 @@ def guarded(
         yield
     except (RuntimeError, dist.DistError) as exc:
         missing, different = _report(store, keys, mine)
+        if not missing and not different:
+            raise  # every rank came with the same call: nothing to add (e.g. an error in the user's model)
         raise CollectiveTimeout(_message(topo, names, ranks, mine, at, missing, different, cause=exc)) from exc
 
 

@@ -13,6 +13,7 @@ from ignite.engine import Engine
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshwise.debug import guarded
 from meshwise.errors import MeshwiseError, ParallelError
 from meshwise.parallel.apply import (
     _dtensor_params,
@@ -191,6 +192,12 @@ def create_trainer(
         return float(value.item() if isinstance(value, torch.Tensor) else value)
 
     def step(engine: Engine, batch: Batch) -> float:
+        # Every rank takes part in some collective of a step (FSDP, TP, the loss reduction): if one fails, the
+        # error names the step and the ranks that never started it, e.g. one that left its loop early.
+        with guarded(topo, topo.dims, "trainer step", step=engine.state.iteration):
+            return train_step(engine, batch)
+
+    def train_step(engine: Engine, batch: Batch) -> float:
         if not model.training:
             model.train()
         batch = ready_batch(batch, prepare, device, "trainer")
