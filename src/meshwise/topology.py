@@ -213,8 +213,13 @@ class Layout:
         return out
 
     def group_ranks(self, rank: int, dims: Dims) -> list[int]:
-        """The ranks in ``rank``'s group along ``dims``."""
-        return next(g for g in self.groups(dims) if rank in g)
+        """The ranks in ``rank``'s group along ``dims``, ordered by coordinate over ``dims``."""
+        names = self.normalize(dims)
+        base = self.coordinates(rank)
+        return [
+            self.rank_of({**base, **dict(zip(names, varying))})
+            for varying in itertools.product(*(range(self.sizes[self.index(d)]) for d in names))
+        ]
 
     def table(self) -> str:
         """A plain-text table: rank -> coordinate -> data rank -> the group along each dim."""
@@ -344,6 +349,7 @@ class Topology:
     timeout: datetime.timedelta
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
     _submeshes: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
+    _group_ranks: dict[tuple[str, ...], list[int]] = field(default_factory=dict, repr=False)
 
     # ---- basic facts
     @property
@@ -437,8 +443,11 @@ class Topology:
         return self.coordinate(dims) == 0
 
     def group_ranks(self, dims: Dims) -> list[int]:
-        """Global ranks of this rank's group along ``dims``, ordered by coordinate."""
-        return self.layout.group_ranks(self.rank, dims)
+        """Global ranks of this rank's group along ``dims``, ordered by coordinate (cached: used every step)."""
+        key = self.layout.normalize(dims)
+        if key not in self._group_ranks:
+            self._group_ranks[key] = self.layout.group_ranks(self.rank, key)
+        return list(self._group_ranks[key])
 
     def label(self) -> str:
         """``rank 3 (dp=1, tp=1)``: how logs and errors name this process."""
@@ -543,7 +552,13 @@ def init(
                 prefixed = dist.PrefixStore(f"meshwise/attempt-{attempt}/init-{_INITS}", _STORE)
                 _INITS += 1
                 dist.init_process_group(
-                    backend, store=prefixed, rank=env.rank, world_size=env.world_size, timeout=timeout
+                    backend,
+                    store=prefixed,
+                    rank=env.rank,
+                    world_size=env.world_size,
+                    timeout=timeout,
+                    # a bound device lets DeviceMesh split NCCL groups in one call per dim, not one per group
+                    device_id=device if device.type == "cuda" else None,
                 )
             else:
                 dist.init_process_group(
@@ -552,6 +567,7 @@ def init(
                     rank=env.rank,
                     world_size=env.world_size,
                     timeout=timeout,
+                    device_id=device if device.type == "cuda" else None,
                 )
         except (RuntimeError, dist.DistError) as exc:
             raise CollectiveTimeout(
