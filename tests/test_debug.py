@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from meshwise.debug import guarded
-from meshwise.errors import CollectiveTimeout
+from meshwise.errors import CollectiveTimeoutError
 from meshwise.testing import run_distributed
 
 
@@ -27,7 +27,7 @@ def _scenarios(topo):
         with guarded(topo, "dp", "all_reduce", tensor=t, step=20, check=True):
             dist.all_reduce(t, group=topo.group("dp"))
         out["mismatch"] = None
-    except CollectiveTimeout as exc:
+    except CollectiveTimeoutError as exc:
         out["mismatch"] = str(exc)
     # 3. Rank 1 skips a step: its tp partner times out and is told who did not arrive.
     start = time.monotonic()
@@ -37,7 +37,7 @@ def _scenarios(topo):
         try:
             with guarded(topo, "tp", "all_reduce", tensor=t, step=21):
                 dist.all_reduce(t, group=topo.group("tp"))
-        except CollectiveTimeout as exc:
+        except CollectiveTimeoutError as exc:
             out["skip"] = str(exc)
     out["elapsed"] = time.monotonic() - start
     return out
@@ -70,7 +70,7 @@ def _trainer_with_a_rank_that_stops_early(topo):
     start = time.monotonic()
     try:
         trainer.run(loader, max_epochs=1, epoch_length=3 if topo.rank == 0 else 2)  # rank 1 leaves early
-    except CollectiveTimeout as exc:
+    except CollectiveTimeoutError as exc:
         return str(exc), time.monotonic() - start
     return None, time.monotonic() - start
 

@@ -12,7 +12,7 @@ from torchmetrics import CatMetric, MaxMetric, MeanMetric, Metric, MetricCollect
 from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, MulticlassF1Score
 from torchmetrics.functional.classification import binary_auroc, multiclass_accuracy, multiclass_f1_score
 
-from meshwise.errors import CollectiveTimeout, MetricError
+from meshwise.errors import CollectiveTimeoutError, MetricError
 from meshwise.metrics import MeanLoss, MeshMetric, MetricSyncTimeout, attach, compute_all, filter_rows
 from meshwise.testing import CollectiveCounter, run_distributed
 
@@ -224,7 +224,7 @@ def _scenarios(topo) -> dict:
             out["skip_value"] = late.compute().item()
         except MetricSyncTimeout as exc:
             out["skip"] = str(exc)
-            out["skip_types"] = (isinstance(exc, MetricError), isinstance(exc, CollectiveTimeout))
+            out["skip_types"] = (isinstance(exc, MetricError), isinstance(exc, CollectiveTimeoutError))
     else:
         time.sleep(5)  # alive but absent: its partner must hit the process-group timeout (3 s), not a closed socket
     out["elapsed"] = time.monotonic() - start

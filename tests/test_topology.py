@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import meshwise
-from meshwise.errors import CollectiveTimeout, MeshwiseError, TopologyError
+from meshwise.errors import CollectiveTimeoutError, MeshwiseError, TopologyError
 from meshwise.testing import DistributedFailure, run_command, run_distributed
 from meshwise.topology import Layout, detect_environment
 
@@ -176,7 +176,7 @@ def _join_missing(timeout):
     start = time.monotonic()
     try:
         meshwise.init({"dp": -1}, timeout=timeout)
-    except CollectiveTimeout as exc:
+    except CollectiveTimeoutError as exc:
         return time.monotonic() - start, str(exc)
     return None
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from meshwise.errors import CollectiveTimeout
+from meshwise.errors import CollectiveTimeoutError
 from meshwise.topology import Dims, Topology
 
 _SEQ: dict[tuple[str, ...], int] = {}
@@ -76,7 +76,7 @@ def guarded(
     """Run the collective in the ``with`` body on ``topo.group(dims)`` with a named failure.
 
     ``op``, ``tensor`` and ``step`` form the fingerprint. On failure raises
-    :class:`~meshwise.errors.CollectiveTimeout` naming the dims, their roles, the step, the
+    :class:`~meshwise.errors.CollectiveTimeoutError` naming the dims, their roles, the step, the
     ranks that did not arrive and the ranks that arrived with another fingerprint.
     """
     names = topo.layout.normalize(dims)
@@ -101,14 +101,14 @@ def guarded(
             pass  # reported below with the ranks that are missing
         missing, different = _report(store, keys, mine)
         if missing or different:
-            raise CollectiveTimeout(_message(topo, names, ranks, mine, at, missing, different, before=True))
+            raise CollectiveTimeoutError(_message(topo, names, ranks, mine, at, missing, different, before=True))
     try:
         yield
     except (RuntimeError, dist.DistError) as exc:
         missing, different = _report(store, keys, mine)
         if not missing and not different:
             raise  # every rank came with the same call: nothing to add (e.g. an error in the user's model)
-        raise CollectiveTimeout(_message(topo, names, ranks, mine, at, missing, different, cause=exc)) from exc
+        raise CollectiveTimeoutError(_message(topo, names, ranks, mine, at, missing, different, cause=exc)) from exc
 
 
 def _message(

@@ -27,5 +27,13 @@ class CheckpointError(MeshwiseError):
     """A checkpoint is missing, corrupt or incompatible with what is loading it."""
 
 
-class CollectiveTimeout(MeshwiseError):
-    """A collective did not complete within the configured timeout."""
+class CollectiveError(MeshwiseError):
+    """A collective on a topology group went wrong; the message names the mesh dims, roles, op, step and ranks."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective did not complete within the timeout: some rank of the group never arrived."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Ranks of one group reached the same collective with different ops, shapes, dtypes or steps (debug mode)."""

@@ -19,7 +19,7 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
 
 from meshwise.debug import debug_enabled, guarded
-from meshwise.errors import CollectiveTimeout, MetricError, TopologyError
+from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
 from meshwise.topology import Dims, Topology
 
 __all__ = ["MeanLoss", "MeshMetric", "MetricSyncTimeout", "attach", "compute_all", "filter_rows"]
@@ -27,7 +27,7 @@ __all__ = ["MeanLoss", "MeshMetric", "MetricSyncTimeout", "attach", "compute_all
 Select = Callable[[Any, Mapping[str, Any]], Any]
 
 
-class MetricSyncTimeout(MetricError, CollectiveTimeout):
+class MetricSyncTimeout(MetricError, CollectiveTimeoutError):
     """A metric synchronisation did not complete: some rank of the group skipped ``compute()`` or died."""
 
 
@@ -360,7 +360,7 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
             if entries:
                 try:
                     merged, count = _fused_sync(topo, dims, group, entries)
-                except (CollectiveTimeout, dist.DistError) as exc:
+                except (CollectiveTimeoutError, dist.DistError) as exc:
                     raise _failure(topo, dims, f"computing metrics [{names}]", exc) from exc
             by_leaf: dict[int, dict[str, Any]] = {}
             for entry, value in zip(entries, merged):
@@ -379,7 +379,7 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
                             results[i] = m.metric.compute()
                     else:
                         results[i] = m.metric.compute()
-        except (CollectiveTimeout, dist.DistError) as exc:  # a metric's own errors pass unchanged
+        except (CollectiveTimeoutError, dist.DistError) as exc:  # a metric's own errors pass unchanged
             raise _failure(topo, dims, f"computing metrics [{names}]", exc) from exc
         finally:
             for leaf in leaves:
@@ -393,7 +393,7 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
             try:
                 with guarded(topo, stage, "metric result broadcast"):
                     dist.broadcast_object_list(payload, group=topo.group(stage), group_src=topo.size(stage) - 1)
-            except (CollectiveTimeout, dist.DistError) as exc:
+            except (CollectiveTimeoutError, dist.DistError) as exc:
                 raise _failure(topo, stage, f"sending metrics [{names}] from the last stage", exc) from exc
             results = payload[0]
             count += 1
@@ -404,7 +404,7 @@ def compute_all(metrics: Sequence[MeshMetric]) -> list[Any]:
 
 def _failure(topo: Topology, dims: tuple[str, ...], what: str, exc: BaseException) -> MetricSyncTimeout:
     """A failed metric collective as an error naming the dims, their roles and the group's ranks."""
-    if isinstance(exc, CollectiveTimeout):  # debug.guarded already named the missing ranks
+    if isinstance(exc, CollectiveTimeoutError):  # debug.guarded already named the missing ranks
         return MetricSyncTimeout(f"{what}: {exc}")
     where = ", ".join(f"{d} ({topo.roles[d]})" for d in dims)
     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -602,7 +602,7 @@ def _replica_check(metrics: list[MeshMetric], results: list[Any]) -> int:
     try:
         with guarded(topo, dims, "metric replica check", tensor=vector):
             dist.all_gather(received, vector, group=group)
-    except (CollectiveTimeout, dist.DistError) as exc:
+    except (CollectiveTimeoutError, dist.DistError) as exc:
         raise _failure(topo, dims, "checking metrics across replica dims", exc) from exc
     table = torch.stack(received).cpu()  # [replica rank, value]
     ranks = topo.group_ranks(dims)

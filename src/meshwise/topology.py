@@ -14,11 +14,12 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from meshwise.errors import CollectiveTimeout, TopologyError
+from meshwise.errors import CollectiveTimeoutError, TopologyError
 
 ROLES = ("batch", "split", "replica", "stage")
 
@@ -348,6 +349,8 @@ class Topology:
     backend: str
     timeout: datetime.timedelta
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    debug: bool = False  # fingerprint every collective on a topology group before it runs (meshwise.debug)
+    run_dir: Path = Path("runs")  # where hang reports (every rank's stacks) are written
     _submeshes: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
     _group_ranks: dict[tuple[str, ...], list[int]] = field(default_factory=dict, repr=False)
 
@@ -510,13 +513,18 @@ def init(
     roles: Mapping[str, str] | str | None = None,
     timeout: float | datetime.timedelta | None = None,
     backend: str | None = None,
+    debug: bool | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
 ) -> Topology:
     """Join the process group and build the declared mesh; returns the :class:`Topology`.
 
     ``mesh`` is ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"``, or ``None`` to read ``MESHWISE_MESH``
     (default ``dp=-1``). ``timeout`` (seconds, default ``MESHWISE_TIMEOUT`` or 600) bounds the
-    rendezvous and every collective of every group meshwise creates. Under a launcher
-    (torchrun, srun, mpirun) every process must call this with the same arguments.
+    rendezvous and every collective of every group meshwise creates. ``debug`` (default
+    ``MESHWISE_DEBUG``) compares a fingerprint of every collective on a topology group across the
+    group before it runs (:mod:`meshwise.debug`); ``run_dir`` (default ``MESHWISE_RUN_DIR`` or
+    ``runs``) receives hang reports. Under a launcher (torchrun, srun, mpirun) every process must
+    call this with the same arguments.
     """
     global _CURRENT, _STORE, _INITS
     if _CURRENT is not None:
@@ -527,6 +535,9 @@ def init(
         timeout = float(os.environ.get("MESHWISE_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
+    if debug is None:
+        debug = os.environ.get("MESHWISE_DEBUG", "").lower() in ("1", "true", "yes", "on")
+    run_dir = Path(run_dir if run_dir is not None else os.environ.get("MESHWISE_RUN_DIR", "runs"))
 
     use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
     if use_cuda:
@@ -570,7 +581,7 @@ def init(
                     device_id=device if device.type == "cuda" else None,
                 )
         except (RuntimeError, dist.DistError) as exc:
-            raise CollectiveTimeout(
+            raise CollectiveTimeoutError(
                 f"rank {env.rank} could not join the process group of {env.world_size} ranks at "
                 f"{env.master_addr}:{env.master_port} within {timeout.total_seconds():.0f}s ({exc}). "
                 "Check that every rank was started with the same world size and master address"
@@ -597,7 +608,7 @@ def init(
         for n in range(2, len(layout.dims) + 1):
             for combo in itertools.combinations(layout.dims, n):
                 submeshes[combo] = root[combo]._flatten(_dims_key(combo), backend_override=override)
-    _CURRENT = Topology(layout, env, device, backend, timeout, root, submeshes)
+    _CURRENT = Topology(layout, env, device, backend, timeout, root, bool(debug), run_dir, submeshes)
     _CURRENT._owns_group = owns_group  # type: ignore[attr-defined]
     return _CURRENT
 
