@@ -1,64 +1,292 @@
-"""Hang and mismatch reports: a skipped or mismatched collective names the dims, roles, step and ranks."""
+"""No silent hangs: deliberately broken programs on 4 gloo processes end fast with errors that name the mesh dim.
+
+Every scenario returns what each rank saw (message, seconds); the assertions run here, in the parent.
+Between scenarios the ranks meet on the store (not a collective), so a rank that is "elsewhere" is
+somewhere known, and a fresh ``meshwise.init`` gives every scenario clean groups.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+import re
 import time
+from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
+import meshwise
 from meshwise.debug import guarded
-from meshwise.errors import CollectiveTimeoutError
-from meshwise.testing import run_distributed
+from meshwise.testing import CollectiveCounter, run_distributed
+
+REAL_ALL_REDUCE = dist.all_reduce  # imported before any init: torch's own
+MESH = {"dp": 2, "tp": 2}  # dp groups [0, 2] and [1, 3]; tp groups [0, 1] and [2, 3]
+TIMEOUT = 3.0
 
 
-def _scenarios(topo):
-    out = {}
-    # 1. A guarded collective that every rank makes gives the plain result.
-    t = torch.tensor([float(topo.rank)])
-    for step in range(20):  # past the mark-retention window, so old marks are deleted
-        t = torch.tensor([float(topo.rank)])
-        with guarded(topo, "dp", "all_reduce", tensor=t, step=step):
-            dist.all_reduce(t, group=topo.group("dp"))
-    out["sum"] = t.item()
-    # 2. Debug mode: rank 3 holds another shape -> an error before the collective, no gloo abort.
-    t = torch.zeros(4 if topo.rank != 3 else 5)
-    try:
-        with guarded(topo, "dp", "all_reduce", tensor=t, step=20, check=True):
-            dist.all_reduce(t, group=topo.group("dp"))
-        out["mismatch"] = None
-    except CollectiveTimeoutError as exc:
-        out["mismatch"] = str(exc)
-    # 3. Rank 1 skips a step: its tp partner times out and is told who did not arrive.
+def _meet(topo, name: str) -> None:
+    """Wait for every rank on the store: no collective, so it works after a broken one."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/{name}/{topo.rank}", "1")
+    store.wait([f"test/{name}/{r}" for r in range(topo.world_size)], datetime.timedelta(seconds=60))
+
+
+def _attempt(fn):
+    """(error type, message, seconds) of ``fn()``; (None, result, seconds) when it worked."""
     start = time.monotonic()
-    out["skip"] = None
-    if topo.rank != 1:
-        t = torch.ones(2)
-        try:
-            with guarded(topo, "tp", "all_reduce", tensor=t, step=21):
-                dist.all_reduce(t, group=topo.group("tp"))
-        except CollectiveTimeoutError as exc:
-            out["skip"] = str(exc)
-    out["elapsed"] = time.monotonic() - start
+    try:
+        out = fn()
+    except meshwise.MeshwiseError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, out, time.monotonic() - start
+
+
+def _reduce(dims, t):
+    topo = meshwise.current()
+    dist.all_reduce(t, group=topo.group(dims))
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------- debug mode
+
+
+def _debug_scenarios(run_dir: str) -> dict:
+    out: dict = {"pid": os.getpid()}
+    topo = meshwise.init(MESH, timeout=TIMEOUT, debug=True, run_dir=run_dir)
+    rank = topo.rank
+    out["wrapped"] = dist.all_reduce is not REAL_ALL_REDUCE
+
+    # Correct programs give the plain results through the wrapper.
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=topo.group("dp"))
+    gathered = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]), group=topo.group("tp"))
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=0)
+    dist.barrier()
+    out["ok"] = [t.item(), [g.item() for g in gathered], b.item()]
+
+    # A different op on one rank: rank 3 broadcasts where rank 1 all-reduces (dp group [1, 3]).
+    def different_op():
+        x = torch.ones(4)
+        if rank == 3:
+            dist.broadcast(x, group=topo.group("dp"), group_src=0)
+        else:
+            dist.all_reduce(x, group=topo.group("dp"))
+        return x.tolist()
+
+    out["op"] = _attempt(different_op)
+    # A different shape: rank 2 holds 5 values where rank 0 holds 4 (dp group [0, 2]).
+    out["shape"] = _attempt(lambda: _reduce("dp", torch.ones(5 if rank == 2 else 4)))
+    # Nothing was sent, so the groups still work.
+    out["after"] = _reduce("dp", torch.ones(1))
+    _meet(topo, "mismatch")
+    meshwise.shutdown()
+
+    # An all-reduce on tp where the peers use dp: rank 3 is in tp group [2, 3], rank 1 waits on dp [1, 3].
+    topo = meshwise.init(MESH, timeout=TIMEOUT, debug=True, run_dir=run_dir)
+    out["tp_vs_dp"] = _attempt(lambda: _reduce("tp" if rank == 3 else "dp", torch.ones(2)))
+    _meet(topo, "tp_vs_dp")
+    meshwise.shutdown()
+
+    # A rank that skips a metric compute() (metric dims: dp): rank 2 never comes.
+    topo = meshwise.init(MESH, timeout=TIMEOUT, debug=True, run_dir=run_dir)
+    out["skip"] = _attempt(lambda: _metric_compute(topo, skip=rank == 2))
+    _meet(topo, "skip")
+    meshwise.shutdown()
+    out["unwrapped"] = dist.all_reduce is REAL_ALL_REDUCE
     return out
 
 
-def test_guarded_collectives_name_what_went_wrong():
-    results = run_distributed(_scenarios, 4, mesh={"dp": 2, "tp": 2}, pg_timeout=3, timeout=60)
-    assert [r["sum"] for r in results] == [2.0, 4.0, 2.0, 4.0]  # dp groups [0,2] and [1,3]
-    # dp group [1,3]: both ranks see the mismatch; group [0,2] agrees and runs.
-    assert results[0]["mismatch"] is None and results[2]["mismatch"] is None
+def _metric_compute(topo, skip: bool):
+    from torchmetrics import SumMetric
+
+    from meshwise.metrics import MeshMetric
+
+    metric = MeshMetric(SumMetric(), topo)
+    metric.update(torch.tensor([float(topo.rank)]))
+    return None if skip else float(metric.compute())
+
+
+def test_debug_mode_names_mismatches_and_missing_ranks(tmp_path):
+    results = run_distributed(_debug_scenarios, 4, timeout=120, env={"MESHWISE_DEBUG": "0"}, run_dir=str(tmp_path))
+    assert all(r["wrapped"] and r["unwrapped"] for r in results)
+    tp_groups = [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
+    assert [r["ok"] for r in results] == [[s, g, 0.0] for s, g in zip([2.0, 4.0, 2.0, 4.0], tp_groups)]
+
+    # Different op: both ranks of dp group [1, 3] raise before anything is sent; [0, 2] is unaffected.
+    assert results[0]["op"][0] is None and results[2]["op"][0] is None
     for r in (1, 3):
-        msg = results[r]["mismatch"]
-        assert "dp (batch)" in msg and "group of ranks [1, 3]" in msg and "step 20" in msg
-    assert "ranks called something else: 3: 'all_reduce float32[5] step 20'" in results[1]["mismatch"]
-    msg = results[0]["skip"]
-    assert msg is not None and "tp (replica)" in msg and "ranks [1] did not arrive" in msg and "step 21" in msg
-    assert results[0]["elapsed"] < 15
+        kind, msg, seconds = results[r]["op"]
+        assert kind == "CollectiveMismatchError" and seconds < 2
+        assert "dp (batch) group [1, 3]" in msg and "different op" in msg
+        assert "rank 1 (dp=0, tp=1): all_reduce(op=SUM) float32[4] over dp (batch)" in msg
+        assert "rank 3 (dp=1, tp=1): broadcast(group_src=0) float32[4] over dp (batch)" in msg
+        assert re.search(r"test_debug.py:\d+ in different_op", msg)  # each rank's call site
+    # Different shape: dp group [0, 2].
+    for r in (0, 2):
+        kind, msg, _ = results[r]["shape"]
+        assert kind == "CollectiveMismatchError" and "different shapes" in msg
+        assert "rank 2 (dp=1, tp=0): all_reduce(op=SUM) float32[5]" in msg
+    assert results[1]["shape"][0] is None and results[3]["shape"][0] is None
+    assert [r["after"] for r in results] == [[2.0]] * 4
+
+    # tp where the peers use dp: rank 1 is told where rank 3 is instead, and rank 3 is told about rank 2.
+    assert results[0]["tp_vs_dp"][0] is None and results[2]["tp_vs_dp"][0] is None
+    kind, msg, seconds = results[1]["tp_vs_dp"]
+    assert kind == "CollectiveTimeoutError" and TIMEOUT <= seconds < TIMEOUT + 5
+    assert "over dp (batch), group [1, 3]" in msg and "Ranks [3] did not arrive" in msg
+    assert "rank 3 (dp=1, tp=1) is in all_reduce(op=SUM) float32[2] over tp (replica), group [2, 3]" in msg
+    kind, msg, seconds = results[3]["tp_vs_dp"]
+    assert kind == "CollectiveTimeoutError" and seconds < TIMEOUT + 5
+    assert "over tp (replica), group [2, 3]" in msg and "Ranks [2] did not arrive" in msg
+    assert "rank 2 (dp=1, tp=0) is in no meshwise collective after all_reduce(op=SUM) float32[2] over dp" in msg
+    _assert_stacks(msg, "_debug_scenarios", {2: "in _meet"})  # rank 2 waits there, not in a collective
+
+    # A skipped compute(): rank 0 waits on dp group [0, 2] and is told rank 2 never came.
+    kind, msg, seconds = results[0]["skip"]
+    assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5
+    assert "metric all_reduce float64[1] over dp (batch), group [0, 2]" in msg
+    assert "Ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective and has made none yet" in msg
+    assert results[2]["skip"][:2] == (None, None)
+    # Debug mode also checks that tp replicas agree, so ranks 1 and 3 wait on their tp partners 0 and 2.
+    kind, msg, seconds = results[1]["skip"]
+    assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5
+    assert "metric replica check float64[1] over tp (replica), group [0, 1]" in msg
+    assert "rank 0 (dp=0, tp=0) is in metric all_reduce float64[1] over dp (batch), group [0, 2]" in msg
+    _assert_gone(results)
 
 
-def _trainer_with_a_rank_that_stops_early(topo):
-    import meshwise
+def _assert_stacks(message: str, function: str, expected: dict[int, str]) -> None:
+    """The message names a folder with one stack file per rank, each showing the main thread in ``function``."""
+    folder = Path(re.search(r"Python stacks of every rank: (\S+)\. ", message).group(1))
+    files = sorted(folder.glob("rank-*.txt"))
+    assert [f.name for f in files] == [f"rank-{r:05d}.txt" for r in range(4)]
+    for rank, f in enumerate(files):
+        text = f.read_text()
+        assert "--- thread MainThread" in text and "meshwise watchdog" in text and function in text
+        assert expected.get(rank, "") in text, text
+
+
+def _assert_gone(results) -> None:
+    """No rank process is left: each pid is gone (or a zombie about to be reaped) within a few seconds."""
+    deadline = time.monotonic() + 5
+    for pid in (r["pid"] for r in results):
+        while Path(f"/proc/{pid}").exists() and "State:\tZ" not in _status(pid):
+            assert time.monotonic() < deadline, f"rank process {pid} is still running"
+            time.sleep(0.1)
+
+
+def _status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return "State:\tZ"
+
+
+# --------------------------------------------------------------------------- debug off: the watchdog
+
+
+def _watchdog_scenarios(run_dir: str) -> dict:
+    out: dict = {"pid": os.getpid()}
+    topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/skip")
+    rank = topo.rank
+    out["plain"] = dist.all_reduce is REAL_ALL_REDUCE
+    out["skip"] = _attempt(lambda: _metric_compute(topo, skip=rank == 2))
+    _meet(topo, "skip")
+    meshwise.shutdown()
+
+    # A region that outlives the timeout without an error (what an asynchronous NCCL hang looks like).
+    topo = meshwise.init(MESH, timeout=2.0, run_dir=f"{run_dir}/stall")
+    if rank == 1:
+        with guarded(topo, "dp", "slow op", step=7):
+            time.sleep(4.0)
+    _meet(topo, "stall")
+    meshwise.shutdown()
+
+    # A rank that exits: rank 2 leaves after 2 steps of a dp x tp training loop.
+    topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/exit")
+    trainer, loader = _trainer(topo)
+    steps = 2 if rank == 2 else 4
+    out["exit"] = _attempt(lambda: trainer.run(loader, max_epochs=1, epoch_length=steps).iteration)
+    if rank == 2:
+        meshwise.shutdown()  # the end of its script; the others are still at step 3
+    return out
+
+
+def _trainer(topo):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from meshwise.data import ArrayDataset, mesh_dataloader
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = meshwise.parallelize(model, topo, tp_plan=plan, dp="replicate")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
+    data = ArrayDataset({"input": torch.randn(64, 4), "target": torch.randn(64, 1)})
+    return trainer, mesh_dataloader(data, topo, global_batch_size=8)
+
+
+def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
+    results = run_distributed(_watchdog_scenarios, 4, timeout=120, env={"MESHWISE_DEBUG": "0"}, run_dir=str(tmp_path))
+    assert all(r["plain"] for r in results)  # debug off: torch.distributed is not wrapped
+
+    kind, msg, seconds = results[0]["skip"]
+    assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5
+    assert "metric all_reduce" in msg and "over dp (batch), group [0, 2]" in msg
+    assert "Ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective" in msg
+    _assert_stacks(msg, "_watchdog_scenarios", {2: "in _meet", 0: "in _metric_compute"})
+
+    # The stall: every rank wrote its stacks; rank 1's report names the region, its dims and step.
+    (folder,) = (tmp_path / "stall").glob("hang-*")
+    assert len(list(folder.glob("rank-*.txt"))) == 4
+    report = (folder / "rank-00001.txt").read_text()
+    assert "open collectives: slow op over dp (batch), group [1, 3], step 7" in report
+    assert "time.sleep" in report or "_watchdog_scenarios" in report
+
+    # The exit: every other rank fails at step 3 with a message naming rank 2 and when it left.
+    assert results[2]["exit"][:2] == (None, 2)
+    for r in (0, 1, 3):
+        kind, msg, seconds = results[r]["exit"]
+        assert kind == "CollectiveTimeoutError" and seconds < 3 * 0.5 + TIMEOUT + 5, (r, msg)
+        assert "trainer step over dp (batch), tp (replica)" in msg and "step 3" in msg
+        assert "rank 2 (dp=1, tp=0) has left: meshwise.shutdown() after trainer step" in msg, msg
+    _assert_gone(results)
+
+
+# --------------------------------------------------------------------------- cost of debug off
+
+
+def _collectives_per_step(debug: bool) -> dict:
+    topo = meshwise.init(MESH, timeout=30, debug=debug)
+    trainer, loader = _trainer(topo)
+    trainer.run(loader, max_epochs=1, epoch_length=1)  # warm-up
+    with CollectiveCounter(CollectiveCounter.NAMES + ("reduce_scatter_tensor", "all_to_all_single")) as c:
+        trainer.run(loader, max_epochs=1, epoch_length=2)
+    meshwise.shutdown()
+    return {"calls": c.calls}
+
+
+def test_debug_mode_adds_no_collective():
+    off = run_distributed(_collectives_per_step, 4, False, timeout=120)
+    on = run_distributed(_collectives_per_step, 4, True, timeout=120)
+    assert off == on and len(off[0]["calls"]) >= 2
+
+
+@pytest.mark.parametrize("mesh", [{"dp": 2}])
+def test_trainer_names_the_rank_that_left_the_loop(mesh):
+    results = run_distributed(_left_early, 2, mesh=mesh, pg_timeout=TIMEOUT, timeout=60)
+    kind, msg, seconds = results[0]
+    assert kind == "CollectiveTimeoutError" and seconds < 3 * 0.5 + TIMEOUT + 5
+    assert "trainer step over dp (batch)" in msg and "step 3" in msg and "Ranks [1] did not arrive" in msg
+    assert results[1][0] is None
+
+
+def _left_early(topo):
     from meshwise.data import ArrayDataset, mesh_dataloader
 
     torch.manual_seed(0)
@@ -67,18 +295,14 @@ def _trainer_with_a_rank_that_stops_early(topo):
     trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
     data = ArrayDataset({"input": torch.randn(64, 4), "target": torch.randn(64, 1)})
     loader = mesh_dataloader(data, topo, global_batch_size=8)
-    start = time.monotonic()
-    try:
-        trainer.run(loader, max_epochs=1, epoch_length=3 if topo.rank == 0 else 2)  # rank 1 leaves early
-    except CollectiveTimeoutError as exc:
-        return str(exc), time.monotonic() - start
-    return None, time.monotonic() - start
+    return _attempt(lambda: trainer.run(loader, max_epochs=1, epoch_length=3 if topo.rank == 0 else 2).iteration)
 
 
-def test_trainer_names_the_rank_that_left_the_loop():
-    results = run_distributed(_trainer_with_a_rank_that_stops_early, 2, mesh={"dp": 2}, pg_timeout=3, timeout=60)
-    message, elapsed = results[0]
-    assert message is not None, "rank 0 should have been told that rank 1 never arrived"
-    assert "dp (batch)" in message and "trainer step" in message and "step 3" in message
-    assert "ranks [1] did not arrive" in message
-    assert results[1][0] is None and elapsed < 20
+if __name__ == "__main__":  # print every message, to read them
+    import sys
+    import tempfile
+
+    for fn in (_debug_scenarios, _watchdog_scenarios):
+        for rank, out in enumerate(run_distributed(fn, 4, timeout=120, run_dir=tempfile.mkdtemp())):
+            for key, value in out.items():
+                print(f"--- rank {rank} {key}: {value}", file=sys.stdout)

@@ -1,66 +1,141 @@
-"""Collective fingerprints and hang reports that name the mesh dims, their roles, the step and the missing ranks.
+"""No silent hangs: collectives that go wrong name their mesh dims, roles, op, step, call site and missing ranks.
 
-Wrap a collective in :func:`guarded`: each rank leaves an arrival mark (with a fingerprint of the
-op, shape and dtype) in the process group's store before it enters. When the collective fails —
-a timeout on gloo/NCCL — the error lists which ranks of the group never arrived, and which arrived
-with a different op or shape. With ``MESHWISE_DEBUG=1`` (or ``check=True``) the fingerprints are
-compared *before* the collective, so a shape mismatch is an error instead of a gloo abort.
+Two mechanisms, both keyed to the :class:`~meshwise.topology.Topology`:
+
+* **Stall watchdog (always on, costs nothing per step).** meshwise's own collectives (the trainer
+  step, metric syncs) run inside :func:`guarded`, which only notes in local memory what this rank is
+  in. When a collective fails — gloo's timeout, a peer that closed its connection — the failing rank
+  asks every rank, through the rendezvous store, what it is doing: each rank's watchdog thread (blocked
+  on the store, never polling) answers with its open collectives and writes the Python stacks of all
+  its threads to ``RUN_DIR/hang-*/rank-N.txt``. The error, a :class:`CollectiveTimeoutError`, names the
+  dims, their roles, the op, the step and, for every rank that did not arrive, where it is instead.
+  A region that outlives the timeout without an error (NCCL collectives are asynchronous) is reported
+  by the watchdog in the same way.
+* **Debug mode** (``meshwise.init(..., debug=True)`` or ``MESHWISE_DEBUG=1``). ``torch.distributed``'s
+  collectives are wrapped: a call on a topology group first exchanges a fingerprint (dims, role, op,
+  shapes, dtype, step, call site) with its group through the store. A difference raises
+  :class:`CollectiveMismatchError` on every rank of the group *before* the collective runs (no gloo
+  abort, the group stays usable); a rank that never comes is a :class:`CollectiveTimeoutError` naming
+  it. With debug off nothing is wrapped and no fingerprint is exchanged.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import datetime
+import functools
+import inspect
+import json
 import os
-from collections.abc import Iterator, Sequence
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshwise.errors import CollectiveTimeoutError
-from meshwise.topology import Dims, Topology
+from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
+from meshwise.topology import Dims, Layout, Topology, current
 
-_SEQ: dict[tuple[str, ...], int] = {}
-_KEEP = 16  # marks older than this many calls on a group are deleted: every member has long passed them
+_KEEP = 16  # fingerprints older than this many calls on a group are deleted: every member has long passed them
+_GRACE_S = 3.0  # how long a failing rank waits for the others' answers (live ranks answer in milliseconds)
+_REQUEST_REUSE_S = 30.0  # failures this close together share one report folder
+_PREFIX = "meshwise/debug"
+_HERE = {__file__, contextlib.__file__}
 
 
-def debug_enabled() -> bool:
-    """True when ``MESHWISE_DEBUG`` is set to a true value."""
+def debug_enabled(topo: Topology | None = None) -> bool:
+    """Whether debug mode is on: ``topo.debug`` (set by ``init(debug=...)``), else ``MESHWISE_DEBUG``."""
+    if topo is not None:
+        return topo.debug
     return os.environ.get("MESHWISE_DEBUG", "").lower() in ("1", "true", "yes", "on")
 
 
-def fingerprint(op: str, tensor: torch.Tensor | None = None, step: int | None = None) -> str:
-    """``all_reduce float32[4,8] step 12``: what a rank is about to do."""
-    shape = "" if tensor is None else f" {str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
-    return f"{op}{shape}" + ("" if step is None else f" step {step}")
+# --------------------------------------------------------------------------- what this rank is in
 
 
-def _store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
+@dataclass(eq=False)
+class Call:
+    """One collective, or one meshwise region of collectives (a trainer step), on one topology group."""
+
+    dims: tuple[str, ...]
+    ranks: tuple[int, ...]
+    where: str  # "dp (batch), tp (replica)"
+    op: str
+    shapes: str
+    step: int | None
+    seq: int  # how many guarded calls this rank made on this group before
+    region: bool  # many collectives inside (a trainer step), not one
+    frame: FrameType | None = field(repr=False)
+    thread: int = field(default_factory=threading.get_ident, repr=False)
+    started: float = field(default_factory=time.monotonic, repr=False)
+
+    def site(self) -> str:
+        """``train.py:42 in step``: where the call was made (the line the frame is on now)."""
+        f = self.frame
+        if f is None:
+            return "?"
+        return f"{_short(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What every rank of the group must agree on."""
+        return {"op": self.op, "shapes": self.shapes, "step": self.step}
+
+    def record(self) -> dict[str, Any]:
+        return {
+            **self.fingerprint(),
+            "dims": list(self.dims),
+            "ranks": list(self.ranks),
+            "where": self.where,
+            "seq": self.seq,
+            "site": self.site(),
+            "age": round(time.monotonic() - self.started, 3),
+        }
 
 
-def _key(dims: tuple[str, ...], ranks: Sequence[int], seq: int, rank: int) -> str:
-    return f"meshwise/guard/{'_'.join(dims)}/{ranks[0]}/{seq}/{rank}"
+def _short(path: str) -> str:
+    """A path relative to the working directory or to site-packages, so messages stay readable."""
+    for base in (os.getcwd(), *(p for p in sys.path if p.endswith("site-packages"))):
+        if base and path.startswith(base + os.sep):
+            return path[len(base) + 1 :]
+    return path
 
 
-def _where(topo: Topology, dims: tuple[str, ...], ranks: Sequence[int]) -> str:
-    roles = ", ".join(f"{d} ({topo.roles[d]})" for d in dims)
-    return f"over {roles}, group of ranks {list(ranks)}"
+def _caller() -> FrameType | None:
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in _HERE:
+        frame = frame.f_back
+    return frame
 
 
-def _report(store: dist.Store, keys: dict[int, str], mine: str) -> tuple[list[int], dict[int, str]]:
-    """Ranks without a mark, and ranks whose mark differs; if the store itself is gone, say so instead."""
-    missing, different = [], {}
-    try:
-        for rank, key in keys.items():
-            if not store.check([key]):
-                missing.append(rank)
-                continue
-            theirs = store.get(key).decode()
-            if theirs != mine:
-                different[rank] = theirs
-    except (RuntimeError, dist.DistError) as exc:  # the store's host (rank 0) has exited
-        return [], {-1: f"unknown: the store could not be asked ({type(exc).__name__})"}
-    return missing, different
+def _shapes(tensors: torch.Tensor | Sequence[torch.Tensor] | None) -> str:
+    if tensors is None:
+        return ""
+    if isinstance(tensors, torch.Tensor):
+        tensors = (tensors,)
+    return " ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
+
+
+def describe(call: dict[str, Any]) -> str:
+    """``all_reduce(SUM) float32[4] over dp (batch), group [1, 3], step 5, at train.py:40 in step``."""
+    text = call["op"] + (f" {call['shapes']}" if call.get("shapes") else "")
+    text += f" over {call['where']}, group {call['ranks']}"
+    if call.get("step") is not None:
+        text += f", step {call['step']}"
+    return text + f", at {call['site']}"
+
+
+_OPEN: list[Call] = []  # calls this process is inside, outermost first (read by the watchdog thread)
+_LAST: list[Call | None] = [None]  # the last call this process finished
+_SEQ: dict[tuple[Any, ...], int] = {}
 
 
 @contextmanager
@@ -69,68 +144,408 @@ def guarded(
     dims: Dims,
     op: str,
     *,
-    tensor: torch.Tensor | None = None,
+    tensor: torch.Tensor | Sequence[torch.Tensor] | None = None,
     step: int | None = None,
     check: bool | None = None,
+    region: bool = False,
 ) -> Iterator[None]:
-    """Run the collective in the ``with`` body on ``topo.group(dims)`` with a named failure.
+    """Run the collective(s) in the ``with`` body on ``topo.group(dims)`` so that a failure names them.
 
-    ``op``, ``tensor`` and ``step`` form the fingerprint. On failure raises
-    :class:`~meshwise.errors.CollectiveTimeoutError` naming the dims, their roles, the step, the
-    ranks that did not arrive and the ranks that arrived with another fingerprint.
+    ``op``, the shapes of ``tensor`` and ``step`` (inherited from an enclosing region when not given)
+    form the fingerprint. With debug mode (or ``check=True``) the group compares fingerprints before the
+    body runs: :class:`CollectiveMismatchError` when they differ. A collective failure in the body
+    becomes a :class:`CollectiveTimeoutError` naming the dims, roles, step and the ranks that did not
+    arrive. ``region=True`` marks a body of many collectives (a trainer step) whose own collectives are
+    still fingerprinted one by one in debug mode.
     """
     names = topo.layout.normalize(dims)
     ranks = topo.group_ranks(names)
-    if len(ranks) == 1:
+    if len(ranks) == 1:  # nothing to wait for
         yield
         return
-    store = _store()
-    group_key = (*names, str(ranks[0]))
-    seq = _SEQ.get(group_key, 0)
-    _SEQ[group_key] = seq + 1
-    mine = fingerprint(op, tensor, step)
-    keys = {r: _key(names, ranks, seq, r) for r in ranks}
-    store.set(keys[topo.rank], mine)
-    if seq >= _KEEP:
-        store.delete_key(_key(names, ranks, seq - _KEEP, topo.rank))
-    at = "" if step is None else f" at step {step}"
-    if debug_enabled() if check is None else check:
-        try:
-            store.wait(list(keys.values()), topo.timeout)
-        except (RuntimeError, dist.DistError):
-            pass  # reported below with the ranks that are missing
-        missing, different = _report(store, keys, mine)
-        if missing or different:
-            raise CollectiveTimeoutError(_message(topo, names, ranks, mine, at, missing, different, before=True))
+    key = (names, ranks[0])
+    seq = _SEQ.get(key, 0)
+    _SEQ[key] = seq + 1
+    if step is None and _OPEN:
+        step = _OPEN[-1].step
+    where = ", ".join(f"{d} ({topo.roles[d]})" for d in names)
+    call = Call(names, tuple(ranks), where, op, _shapes(tensor), step, seq, region, _caller())
+    _OPEN.append(call)
     try:
+        if topo.debug if check is None else check:
+            _compare(topo, call)
         yield
-    except (RuntimeError, dist.DistError) as exc:
-        missing, different = _report(store, keys, mine)
-        if not missing and not different:
-            raise  # every rank came with the same call: nothing to add (e.g. an error in the user's model)
-        raise CollectiveTimeoutError(_message(topo, names, ranks, mine, at, missing, different, cause=exc)) from exc
+    except Exception as exc:
+        if isinstance(exc, CollectiveError) or not _is_collective_failure(exc):
+            raise  # already named by an inner call, or not a collective's failure (e.g. the user's model)
+        raise _timeout_error(topo, call, exc) from exc
+    finally:
+        _OPEN.remove(call)
+        _LAST[0] = call
 
 
-def _message(
-    topo: Topology,
-    names: tuple[str, ...],
-    ranks: Sequence[int],
-    mine: str,
-    at: str,
-    missing: list[int],
-    different: dict[int, str],
-    before: bool = False,
-    cause: BaseException | None = None,
-) -> str:
-    seconds = topo.timeout.total_seconds()
-    parts = [f"{topo.label()}: {mine!r} {_where(topo, names, ranks)}{at} "]
-    parts.append("cannot start" if before else f"failed ({type(cause).__name__}: {str(cause).splitlines()[0]})")
-    if missing:
-        parts.append(f"; ranks {missing} did not arrive within {seconds:.0f}s")
-    if different:
-        parts.append("; ranks called something else: " + ", ".join(f"{r}: {fp!r}" for r, fp in different.items()))
-    parts.append(
-        ". Every rank of the group must make the same collectives in the same order: look for a rank that "
-        "skipped a step, left the loop early or holds a tensor of another shape"
+def _is_collective_failure(exc: BaseException) -> bool:
+    """gloo reports timeouts and lost peers as plain RuntimeErrors; NCCL and the store as DistErrors."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return type(exc) is RuntimeError and any(
+        s in text for s in ("gloo", "Timed out", "timed out", "Connection closed", "Connection reset", "NCCL")
     )
-    return "".join(parts)
+
+
+def _label(layout: Layout, rank: int) -> str:
+    coords = ", ".join(f"{d}={c}" for d, c in layout.coordinates(rank).items())
+    return f"rank {rank} ({coords})"
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+# --------------------------------------------------------------------------- debug mode: fingerprints
+
+
+def _compare(topo: Topology, call: Call) -> None:
+    """Exchange fingerprints with the group through the store; raise if they differ or a rank never comes."""
+    store = _store()
+    base = f"{_PREFIX}/fp/{'_'.join(call.dims)}/{call.ranks[0]}"
+    keys = [f"{base}/{call.seq}/{r}" for r in call.ranks]
+    mine = call.record()
+    store.set(f"{base}/{call.seq}/{topo.rank}", json.dumps(mine))
+    if call.seq >= _KEEP:
+        store.delete_key(f"{base}/{call.seq - _KEEP}/{topo.rank}")
+    try:
+        store.wait(keys, topo.timeout)
+    except (RuntimeError, dist.DistError):
+        missing = [r for r, k in zip(call.ranks, keys) if not store.check([k])]
+        raise _timeout_error(topo, call, None, missing=missing) from None
+    theirs = {r: json.loads(v) for r, v in zip(call.ranks, store.multi_get(keys))}
+    want = call.fingerprint()
+    if all({k: t[k] for k in want} == want for t in theirs.values()):
+        return
+    lines = [f"  {_label(topo.layout, r)}: {describe(t)}" for r, t in theirs.items()]
+    fields = sorted({k for t in theirs.values() for k in want if t[k] != want[k]})
+    raise CollectiveMismatchError(
+        f"{topo.label()}: the ranks of the {call.where} group {list(call.ranks)} reached their collective "
+        f"#{call.seq} on it with different {', '.join(fields)}:\n" + "\n".join(lines) + "\nEvery rank of a group "
+        "must make the same collectives, in the same order, with the same shapes and dtypes: look for a branch "
+        "on the rank, a skipped step or a tensor of another shape. Nothing was sent; the group is still usable"
+    )
+
+
+# Which arguments of each torch.distributed collective go into its fingerprint: (tensors whose shape and
+# dtype must agree, attributes that must agree). Shapes of all_to_all may differ by design: dtype only.
+_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "all_reduce": (("tensor",), ("op",)),
+    "reduce": (("tensor",), ("op", "dst", "group_dst")),
+    "broadcast": (("tensor",), ("src", "group_src")),
+    "all_gather": (("tensor",), ()),
+    "all_gather_into_tensor": (("input_tensor", "output_tensor"), ()),
+    "reduce_scatter": (("output",), ("op",)),
+    "reduce_scatter_tensor": (("input", "output"), ("op",)),
+    "all_to_all_single": ((), ()),
+    "all_to_all": ((), ()),
+    "gather": (("tensor",), ("dst", "group_dst")),
+    "scatter": (("tensor",), ("src", "group_src")),
+    "barrier": ((), ()),
+    "all_gather_object": ((), ()),
+    "broadcast_object_list": ((), ("src", "group_src")),
+    "gather_object": ((), ("dst", "group_dst")),
+    "scatter_object_list": ((), ("src", "group_src")),
+}
+_ORIGINAL: dict[str, Callable[..., Any]] = {}
+_INSIDE = threading.local()  # a wrapped collective called by another one is part of it: not checked again
+
+
+def _install(topo: Topology) -> None:
+    """Wrap ``torch.distributed``'s collectives so calls on the topology's groups are fingerprinted first."""
+    groups = {topo.group(dims).group_name: dims for dims in topo._submeshes}
+    groups[dist.group.WORLD.group_name] = topo.dims
+    for name in _OPS:
+        real = _ORIGINAL.setdefault(name, getattr(dist, name))
+        setattr(dist, name, _checked(topo, groups, name, real))
+
+
+def _checked(
+    topo: Topology, groups: dict[str, tuple[str, ...]], name: str, real: Callable[..., Any]
+) -> Callable[..., Any]:
+    signature = inspect.signature(real)
+    tensor_args, attr_args = _OPS[name]
+
+    @functools.wraps(real)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_INSIDE, "on", False) or current() is not topo:  # nested, or a wrapper left by a finished run
+            return real(*args, **kwargs)
+        try:
+            call = signature.bind(*args, **kwargs)
+        except TypeError:
+            return real(*args, **kwargs)  # torch reports its own argument errors
+        call.apply_defaults()  # an explicit op=SUM and the default one are the same call
+        bound = call.arguments
+        dims = groups.get(getattr(bound.get("group") or dist.group.WORLD, "group_name", None))
+        top = _OPEN[-1] if _OPEN else None
+        if dims is None or (
+            top is not None and not top.region and top.dims == dims and top.thread == threading.get_ident()
+        ):
+            return real(*args, **kwargs)  # not a topology group, or already checked by meshwise's own guard
+        attrs = [f"{a}={_attr(bound[a])}" for a in attr_args if bound.get(a) is not None]
+        op = name + (f"({', '.join(attrs)})" if attrs else "")
+        tensors = [bound[a] for a in tensor_args if isinstance(bound.get(a), torch.Tensor)]
+        if name.startswith("all_to_all"):
+            first = bound.get("input", bound.get("input_tensor_list"))
+            first = first[0] if isinstance(first, (list, tuple)) and first else first
+            op += f" {str(getattr(first, 'dtype', '')).removeprefix('torch.')}"
+        with guarded(topo, dims, op, tensor=tensors or None, check=True):
+            _INSIDE.on = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                _INSIDE.on = False
+
+    return checked
+
+
+def _attr(value: Any) -> str:
+    return str(getattr(value, "name", value))
+
+
+def _uninstall() -> None:
+    for name, real in _ORIGINAL.items():
+        if getattr(getattr(dist, name), "__wrapped__", None) is real:  # leave anyone else's wrapper alone
+            setattr(dist, name, real)
+    _ORIGINAL.clear()
+
+
+# --------------------------------------------------------------------------- hang reports
+
+
+def _snapshot(topo: Topology, state: str = "running") -> dict[str, Any]:
+    last = _LAST[0]
+    return {
+        "label": topo.label(),
+        "state": state,
+        "open": [c.record() for c in list(_OPEN)],
+        "last": None if last is None else last.record(),
+    }
+
+
+def _request(topo: Topology, store: dist.Store, reason: str) -> dict[str, Any]:
+    """Ask every rank for its state and stacks (or join a request made moments ago); returns the request."""
+    count = store.add(f"{_PREFIX}/requests", 0)
+    if count:
+        with contextlib.suppress(RuntimeError, dist.DistError):  # its maker may be between add() and set()
+            store.wait([f"{_PREFIX}/request/{count}"], datetime.timedelta(seconds=1))
+            info = json.loads(store.get(f"{_PREFIX}/request/{count}"))
+            if time.time() - info["time"] < _REQUEST_REUSE_S:
+                return info
+    n = store.add(f"{_PREFIX}/requests", 1)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    folder = (topo.run_dir / f"hang-{stamp}-{n}").absolute()
+    info = {"n": n, "folder": str(folder), "by": topo.label(), "reason": reason, "time": time.time()}
+    store.set(f"{_PREFIX}/request/{n}", json.dumps(info))
+    message = json.dumps(info)
+    for r in range(topo.world_size):
+        store.queue_push(f"{_PREFIX}/queue/{r}", message)
+    return info
+
+
+def _timeout_error(
+    topo: Topology, call: Call, cause: BaseException | None, missing: list[int] | None = None
+) -> CollectiveTimeoutError:
+    """Ask the other ranks where they are, then name the dims, roles, op, step and the ranks that did not arrive."""
+    seconds = topo.timeout.total_seconds()
+    head = f"{topo.label()}: {describe(call.record())} "
+    if cause is None:
+        head += f"could not start: not every rank of the group came within {seconds:.0f}s"
+    else:
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        first = first.split("] ", 1)[-1] if first.startswith("[") else first  # drop gloo's source path
+        head += f"failed ({type(cause).__name__}: {first})"
+    peers = [r for r in call.ranks if r != topo.rank]
+    try:
+        store = _store()
+        info = _request(topo, store, head)
+        records = _records(store, info["n"], peers)
+    except (RuntimeError, dist.DistError) as exc:  # the store's host is gone: say so, and what we know
+        return CollectiveTimeoutError(
+            f"{head}. The other ranks could not be asked where they are: the rendezvous store is unreachable "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}), so its host (rank 0 or "
+            "the launcher) has probably exited. " + _ADVICE
+        )
+    absent, notes = [], []
+    for r in peers:
+        state, record = records.get(r, ("silent", None))
+        open_calls = record["open"] if record is not None and state == "running" else []
+        same = [c for c in open_calls if c["ranks"] == list(call.ranks) and c["seq"] == call.seq]
+        if bool(same) if missing is None else r not in missing:
+            if same and (same[0]["op"], same[0]["shapes"]) != (call.op, call.shapes):
+                notes.append(f"{_label(topo.layout, r)} arrived with another call: {describe(same[0])}")
+            continue
+        absent.append(r)
+        notes.append(f"{_label(topo.layout, r)} {_whereabouts(state, record)}")
+    if absent:
+        text = f"{head}. Ranks {absent} did not arrive"
+    else:
+        text = f"{head}. Every rank of the group arrived, so a collective inside failed"
+    text += (": " if notes else "") + "; ".join(notes)
+    text += f". Python stacks of every rank: {info['folder']}. " + _ADVICE
+    return CollectiveTimeoutError(text)
+
+
+_ADVICE = (
+    "Every rank of a group must make the same collectives in the same order: look for a rank that skipped a "
+    "step or a compute(), left the loop early, crashed, or called a collective on another group"
+)
+
+
+def _whereabouts(state: str, record: dict[str, Any] | None) -> str:
+    if record is None:
+        return (
+            "did not answer and left no exit record: its process was killed or ended without meshwise.shutdown(), "
+            "or it is busy without releasing the GIL"
+        )
+    last = record.get("last")
+    after = f" after {describe(last)}" if last else " and has made none yet"
+    if state == "exited":
+        return f"has left: {record.get('how', 'exited')}{after}"
+    if record["open"]:
+        inner = record["open"][-1]
+        return f"is in {describe(inner)} (for {inner['age']:.1f}s)"
+    return f"is in no meshwise collective{after}"
+
+
+def _records(store: dist.Store, n: int, ranks: list[int]) -> dict[int, tuple[str, dict[str, Any] | None]]:
+    """Each rank's answer to request ``n``, or its exit record; ranks silent after the grace period are left out."""
+    out: dict[int, tuple[str, dict[str, Any] | None]] = {}
+    deadline = time.monotonic() + _GRACE_S
+    waiting = list(ranks)
+    while waiting:
+        for r in list(waiting):
+            for key, state in ((f"{_PREFIX}/answer/{n}/{r}", "running"), (f"{_PREFIX}/exit/{r}", "exited")):
+                if store.check([key]):
+                    out[r] = (state, json.loads(store.get(key)))
+                    waiting.remove(r)
+                    break
+        if not waiting or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return out
+
+
+def _write_stacks(topo: Topology, info: dict[str, Any], record: dict[str, Any]) -> str:
+    folder = Path(info["folder"])
+    path = folder / f"rank-{topo.rank:05d}.txt"
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = [
+        f"{topo.label()} of {topo.world_size}, pid {os.getpid()}, host {os.uname().nodename}",
+        f"report requested by {info['by']}: {info['reason']}",
+        "open collectives: " + ("; ".join(describe(c) for c in record["open"]) or "none"),
+        "last finished: " + (describe(record["last"]) if record["last"] else "none"),
+        "",
+    ]
+    for ident, frame in sys._current_frames().items():
+        mark = " (meshwise watchdog)" if ident == threading.get_ident() else ""
+        lines.append(f"--- thread {names.get(ident, ident)}{mark}, most recent call last:")
+        lines.append("".join(traceback.format_stack(frame)))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines), encoding="utf-8")
+    except OSError as exc:
+        return f"could not write {path}: {exc}"
+    return str(path)
+
+
+# --------------------------------------------------------------------------- the watchdog
+
+
+class _Watchdog:
+    """Two daemon threads per rank: one answers report requests (blocked on the store, no polling), one notices
+    a region that outlives the timeout without an error (asynchronous NCCL collectives never raise in Python)."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.stopped = threading.Event()
+        # One store connection per thread: a client serves one request at a time, and the answering thread's
+        # connection is blocked on its queue for the life of the run.
+        self.inbox = _store().clone()
+        self.inbox.set_timeout(datetime.timedelta(days=365))
+        self.outbox = _store().clone()
+        self.answer = threading.Thread(target=self._answer, name="meshwise-watchdog", daemon=True)
+        self.stall = threading.Thread(target=self._watch_stalls, name="meshwise-stall-check", daemon=True)
+        self.answer.start()
+        self.stall.start()
+
+    def _answer(self) -> None:
+        queue = f"{_PREFIX}/queue/{self.topo.rank}"
+        while True:
+            try:
+                message = self.inbox.queue_pop(queue, True)
+            except (RuntimeError, dist.DistError):
+                return  # the store is gone: the job is over
+            if message == b"stop" or self.stopped.is_set():
+                return
+            with contextlib.suppress(RuntimeError, dist.DistError, OSError, ValueError):
+                info = json.loads(message)
+                record = _snapshot(self.topo)
+                record["stacks"] = _write_stacks(self.topo, info, record)
+                self.inbox.set(f"{_PREFIX}/answer/{info['n']}/{self.topo.rank}", json.dumps(record))
+
+    def _watch_stalls(self) -> None:
+        limit = self.topo.timeout.total_seconds()
+        tick = min(max(limit / 10, 0.5), 30.0)
+        reported: set[int] = set()
+        while not self.stopped.wait(tick):
+            open_calls = list(_OPEN)
+            if not open_calls:
+                continue
+            call = open_calls[-1]
+            age = time.monotonic() - call.started
+            if age <= limit + tick or id(call) in reported:
+                continue
+            reported.add(id(call))
+            text = (
+                f"{self.topo.label()}: {describe(call.record())} has not finished after {age:.0f}s, longer than the "
+                f"collective timeout of {limit:.0f}s"
+            )
+            with contextlib.suppress(RuntimeError, dist.DistError, ValueError):
+                info = _request(self.topo, self.outbox, text)
+                text += f". Python stacks of every rank: {info['folder']}"
+            print(f"meshwise: stall: {text}", file=sys.stderr, flush=True)
+
+    def stop(self, store: dist.Store) -> None:
+        self.stopped.set()
+        store.queue_push(f"{_PREFIX}/queue/{self.topo.rank}", "stop")
+
+
+_WATCHDOG: list[_Watchdog | None] = [None]
+
+
+def attach(topo: Topology) -> None:
+    """Start the watchdog for a new topology and, in debug mode, wrap the collectives (called by ``meshwise.init``)."""
+    _OPEN.clear()
+    _SEQ.clear()
+    _LAST[0] = None
+    if topo.world_size > 1:
+        _WATCHDOG[0] = _Watchdog(topo)
+        atexit.register(_at_exit, topo)
+    if topo.debug:
+        _install(topo)
+
+
+def detach(topo: Topology, how: str = "meshwise.shutdown()") -> None:
+    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (``meshwise.shutdown``)."""
+    atexit.unregister(_at_exit)
+    _uninstall()
+    watchdog, _WATCHDOG[0] = _WATCHDOG[0], None
+    if watchdog is None:
+        return
+    record = {**_snapshot(topo, "exited"), "how": how}
+    with contextlib.suppress(RuntimeError, ValueError):  # the group or its store may be gone already
+        store = _store()
+        store.set(f"{_PREFIX}/exit/{topo.rank}", json.dumps(record))
+        watchdog.stop(store)
+
+
+def _at_exit(topo: Topology) -> None:
+    detach(topo, "the process exited without meshwise.shutdown()")

@@ -194,7 +194,7 @@ def create_trainer(
     def step(engine: Engine, batch: Batch) -> float:
         # Every rank takes part in some collective of a step (FSDP, TP, the loss reduction): if one fails, the
         # error names the step and the ranks that never started it, e.g. one that left its loop early.
-        with guarded(topo, topo.dims, "trainer step", step=engine.state.iteration):
+        with guarded(topo, topo.dims, "trainer step", step=engine.state.iteration, region=True):
             return train_step(engine, batch)
 
     def train_step(engine: Engine, batch: Batch) -> float:

@@ -193,8 +193,8 @@ class MeshMetric:
     per-token loss over a sequence split in chunks). ``"leader"`` updates only on split coordinate 0, for
     per-sample metrics whose inputs every split rank holds in full (logits after the model's reduction).
 
-    ``replica_check`` (default: the ``MESHWISE_DEBUG`` environment variable) verifies after ``compute()``
-    that ranks along replica dims hold equal values (relative tolerance ``replica_rtol``), with one
+    ``replica_check`` (default: debug mode, ``init(debug=True)`` or ``MESHWISE_DEBUG=1``) verifies after
+    ``compute()`` that ranks along replica dims hold equal values (relative tolerance ``replica_rtol``), with one
     all-gather over the replica group; off, it costs nothing. ``select(output, batch)`` tells
     :func:`meshwise.create_evaluator` which arguments to pass to ``update``. ``last_collectives`` is the
     number of collectives the last ``compute()`` made (a metric left to torchmetrics' own sync counts once).
@@ -587,9 +587,8 @@ def _flat_values(value: Any) -> list[Tensor]:
 def _replica_check(metrics: list[MeshMetric], results: list[Any]) -> int:
     topo = metrics[0].topology
     dims = topo.replica_dims
-    checking = [
-        (m, r) for m, r in zip(metrics, results) if (debug_enabled() if m.replica_check is None else m.replica_check)
-    ]
+    on = debug_enabled(topo)
+    checking = [(m, r) for m, r in zip(metrics, results) if (on if m.replica_check is None else m.replica_check)]
     if not checking or not dims or topo.size(dims) == 1:
         return 0
     parts = [(m, _flat_values(r)) for m, r in checking]

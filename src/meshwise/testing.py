@@ -122,7 +122,11 @@ def _child(
     label = f"rank {rank}"
     try:
         if mesh is None:
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                if meshwise.current() is not None:  # as a script should: tell the others this rank has left
+                    meshwise.shutdown()
         else:
             topo = meshwise.init(mesh, roles=roles, timeout=pg_timeout)
             label = topo.label()
@@ -165,13 +169,22 @@ def run_distributed(
     (numbers, lists, tensors are pickled by value). Inside the ranks the default start method is the
     forkserver's; DataLoader workers should ask for ``fork`` (``meshwise.data`` does).
     """
+    import datetime
+
+    from torch.distributed import TCPStore
+
     ctx = _context()
     results = ctx.Queue()
-    port = free_port()
+    # The store lives here, as torchrun's agent hosts it: a rank that exits (rank 0 included) leaves it to the others.
+    store = TCPStore(
+        "127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
+    port = store.port
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, nprocs, port, fn, args, kwargs, mesh, roles, pg_timeout, dict(env or {}), results),
+            args=(r, nprocs, port, fn, args, kwargs, mesh, roles, pg_timeout, env, results),
             daemon=False,  # ranks may start DataLoader workers; _reap kills them whatever happens
         )
         for r in range(nprocs)
@@ -215,6 +228,7 @@ def run_distributed(
     finally:
         _reap(procs)
         results.close()
+        del store
 
 
 def _reap(procs: Sequence[Any]) -> None:
