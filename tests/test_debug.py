@@ -137,11 +137,11 @@ def test_debug_mode_names_mismatches_and_missing_ranks(tmp_path):
     assert results[0]["tp_vs_dp"][0] is None and results[2]["tp_vs_dp"][0] is None
     kind, msg, seconds = results[1]["tp_vs_dp"]
     assert kind == "CollectiveTimeoutError" and TIMEOUT <= seconds < TIMEOUT + 5
-    assert "over dp (batch), group [1, 3]" in msg and "Ranks [3] did not arrive" in msg
+    assert "over dp (batch), group [1, 3]" in msg and "ranks [3] did not arrive" in msg
     assert "rank 3 (dp=1, tp=1) is in all_reduce(op=SUM) float32[2] over tp (replica), group [2, 3]" in msg
     kind, msg, seconds = results[3]["tp_vs_dp"]
     assert kind == "CollectiveTimeoutError" and seconds < TIMEOUT + 5
-    assert "over tp (replica), group [2, 3]" in msg and "Ranks [2] did not arrive" in msg
+    assert "over tp (replica), group [2, 3]" in msg and "ranks [2] did not arrive" in msg
     assert "rank 2 (dp=1, tp=0) is in no meshwise collective after all_reduce(op=SUM) float32[2] over dp" in msg
     _assert_stacks(msg, "_debug_scenarios", {2: "in _meet"})  # rank 2 waits there, not in a collective
 
@@ -149,7 +149,7 @@ def test_debug_mode_names_mismatches_and_missing_ranks(tmp_path):
     kind, msg, seconds = results[0]["skip"]
     assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5
     assert "metric all_reduce float64[1] over dp (batch), group [0, 2]" in msg
-    assert "Ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective and has made none yet" in msg
+    assert "ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective and has made none yet" in msg
     assert results[2]["skip"][:2] == (None, None)
     # Debug mode also checks that tp replicas agree, so ranks 1 and 3 wait on their tp partners 0 and 2.
     kind, msg, seconds = results[1]["skip"]
@@ -238,7 +238,7 @@ def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
     kind, msg, seconds = results[0]["skip"]
     assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5
     assert "metric all_reduce" in msg and "over dp (batch), group [0, 2]" in msg
-    assert "Ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective" in msg
+    assert "ranks [2] did not arrive: rank 2 (dp=1, tp=0) is in no meshwise collective" in msg
     _assert_stacks(msg, "_watchdog_scenarios", {2: "in _meet", 0: "in _metric_compute"})
 
     # The stall: every rank wrote its stacks; rank 1's report names the region, its dims and step.
@@ -282,7 +282,7 @@ def test_trainer_names_the_rank_that_left_the_loop(mesh):
     results = run_distributed(_left_early, 2, mesh=mesh, pg_timeout=TIMEOUT, timeout=60)
     kind, msg, seconds = results[0]
     assert kind == "CollectiveTimeoutError" and seconds < 3 * 0.5 + TIMEOUT + 5
-    assert "trainer step over dp (batch)" in msg and "step 3" in msg and "Ranks [1] did not arrive" in msg
+    assert "trainer step over dp (batch)" in msg and "step 3" in msg and "ranks [1] did not arrive" in msg
     assert results[1][0] is None
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -205,11 +204,11 @@ def _scenarios(topo) -> dict:
     with CollectiveCounter() as off:
         unchecked.compute()
     out["replica_off_calls"] = off.calls
-    os.environ["MESHWISE_DEBUG"] = "1"
+    topo.debug = True  # what init(debug=True) / MESHWISE_DEBUG=1 sets: the check's default follows it
     try:
         out["replica_env_error"] = _raises(unchecked.compute)
     finally:
-        del os.environ["MESHWISE_DEBUG"]
+        topo.debug = False
     agreeing = attach(SumMetric(), topo, replica_check=True)
     agreeing.update(torch.ones(2))
     out["replica_ok"] = agreeing.compute().item()

@@ -385,9 +385,9 @@ def _timeout_error(
         absent.append(r)
         notes.append(f"{_label(topo.layout, r)} {_whereabouts(state, record)}")
     if absent:
-        text = f"{head}. Ranks {absent} did not arrive"
+        text = f"{head}; ranks {absent} did not arrive"
     else:
-        text = f"{head}. Every rank of the group arrived, so a collective inside failed"
+        text = f"{head}; every rank of the group arrived, so a collective inside failed"
     text += (": " if notes else "") + "; ".join(notes)
     text += f". Python stacks of every rank: {info['folder']}. " + _ADVICE
     return CollectiveTimeoutError(text)

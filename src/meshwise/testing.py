@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -181,6 +182,8 @@ def run_distributed(
     )
     port = store.port
     env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+    if "MESHWISE_RUN_DIR" not in env and "MESHWISE_RUN_DIR" not in os.environ:  # hang reports of tests: not in cwd
+        env["MESHWISE_RUN_DIR"] = os.path.join(tempfile.gettempdir(), "meshwise-run-distributed")
     procs = [
         ctx.Process(
             target=_child,
