@@ -79,11 +79,18 @@ class Call:
     started: float = field(default_factory=time.monotonic, repr=False)
 
     def site(self) -> str:
-        """``train.py:42 in step``: where the call was made (the line the frame is on now)."""
+        """``metrics.py:484 in _fused_sync, from train.py:88 in main``: where the call was made, and the user's line
+        that led there when the call itself is inside a library (meshwise, torch, ignite, ...)."""
         f = self.frame
         if f is None:
             return "?"
-        return f"{_short(f.f_code.co_filename)}:{f.f_lineno} in {f.f_code.co_name}"
+        text = _line(f)
+        if _in_library(f):
+            while f is not None and _in_library(f):
+                f = f.f_back
+            if f is not None:
+                text += f", from {_line(f)}"
+        return text
 
     def fingerprint(self) -> dict[str, Any]:
         """What every rank of the group must agree on."""
@@ -107,6 +114,18 @@ def _short(path: str) -> str:
         if base and path.startswith(base + os.sep):
             return path[len(base) + 1 :]
     return path
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _in_library(frame: FrameType) -> bool:
+    path = frame.f_code.co_filename
+    return path.startswith(_PACKAGE) or f"{os.sep}site-packages{os.sep}" in path or path.startswith("<")
+
+
+def _line(frame: FrameType) -> str:
+    return f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _caller() -> FrameType | None:
@@ -242,8 +261,12 @@ _OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "broadcast": (("tensor",), ("src", "group_src")),
     "all_gather": (("tensor",), ()),
     "all_gather_into_tensor": (("input_tensor", "output_tensor"), ()),
+    "all_gather_single": (("input_tensor", "output_tensor"), ()),  # what FSDP2 calls on torch 2.13
+    "all_reduce_coalesced": (("tensors",), ("op",)),
+    "all_gather_coalesced": (("input_tensor_list",), ()),
     "reduce_scatter": (("output",), ("op",)),
     "reduce_scatter_tensor": (("input", "output"), ("op",)),
+    "reduce_scatter_single": (("input", "output"), ("op",)),
     "all_to_all_single": ((), ()),
     "all_to_all": ((), ()),
     "gather": (("tensor",), ("dst", "group_dst")),
@@ -263,8 +286,9 @@ def _install(topo: Topology) -> None:
     groups = {topo.group(dims).group_name: dims for dims in topo._submeshes}
     groups[dist.group.WORLD.group_name] = topo.dims
     for name in _OPS:
-        real = _ORIGINAL.setdefault(name, getattr(dist, name))
-        setattr(dist, name, _checked(topo, groups, name, real))
+        if hasattr(dist, name):  # some exist only in newer torch releases
+            real = _ORIGINAL.setdefault(name, getattr(dist, name))
+            setattr(dist, name, _checked(topo, groups, name, real))
 
 
 def _checked(
@@ -291,7 +315,7 @@ def _checked(
             return real(*args, **kwargs)  # not a topology group, or already checked by meshwise's own guard
         attrs = [f"{a}={_attr(bound[a])}" for a in attr_args if bound.get(a) is not None]
         op = name + (f"({', '.join(attrs)})" if attrs else "")
-        tensors = [bound[a] for a in tensor_args if isinstance(bound.get(a), torch.Tensor)]
+        tensors = [t for a in tensor_args for t in _tensors(bound.get(a))]
         if name.startswith("all_to_all"):
             first = bound.get("input", bound.get("input_tensor_list"))
             first = first[0] if isinstance(first, (list, tuple)) and first else first
@@ -304,6 +328,14 @@ def _checked(
                 _INSIDE.on = False
 
     return checked
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
 
 
 def _attr(value: Any) -> str:
