@@ -206,6 +206,16 @@ def _watchdog_scenarios(run_dir: str) -> dict:
     _meet(topo, "stall")
     meshwise.shutdown()
 
+    # An evaluation that rank 3 leaves after one step: its tp partner, rank 2, is told so at step 2.
+    topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/eval")
+    trainer, loader = _trainer(topo)
+    # "+ 0" waits for the tensor-parallel all-reduce inside the step (it is asynchronous until used)
+    evaluator = meshwise.create_evaluator(trainer.model, topo, forward=lambda m, b: m(b["input"]) + 0)
+    steps = 1 if rank == 3 else 2
+    out["eval"] = _attempt(lambda: evaluator.run(loader, max_epochs=1, epoch_length=steps).iteration)
+    _meet(topo, "eval")
+    meshwise.shutdown()
+
     # A rank that exits: rank 2 leaves after 2 steps of a dp x tp training loop.
     topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/exit")
     trainer, loader = _trainer(topo)
@@ -227,6 +237,7 @@ def _trainer(topo):
     model = meshwise.parallelize(model, topo, tp_plan=plan, dp="replicate")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
+    trainer.model = model
     data = ArrayDataset({"input": torch.randn(64, 4), "target": torch.randn(64, 1)})
     return trainer, mesh_dataloader(data, topo, global_batch_size=8)
 
@@ -248,7 +259,15 @@ def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
     assert "open collectives: slow op over dp (batch), group [1, 3], step 7" in report
     assert "time.sleep" in report or "_watchdog_scenarios" in report
 
-    # The exit: every other rank fails at step 3 with a message naming rank 2 and when it left.
+    # The evaluation: ranks 0, 1 and 3 finish; rank 2 is told where its tp partner is.
+    assert [results[r]["eval"][:2] for r in (0, 1, 3)] == [(None, 2), (None, 2), (None, 1)]
+    kind, msg, seconds = results[2]["eval"]
+    assert kind == "CollectiveTimeoutError" and seconds < 2 * 0.5 + TIMEOUT + 5
+    assert "evaluator step over dp (batch), tp (replica)" in msg and "step 2" in msg
+    assert "ranks [3] did not arrive: rank 3 (dp=1, tp=1) is in no meshwise collective after evaluator step" in msg
+
+    # The exit: every other rank fails at step 3 with a message naming rank 2 and when it left; one report.
+    assert len(list((tmp_path / "exit").glob("hang-*"))) == 1
     assert results[2]["exit"][:2] == (None, 2)
     for r in (0, 1, 3):
         kind, msg, seconds = results[r]["exit"]

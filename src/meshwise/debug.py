@@ -359,27 +359,34 @@ def _snapshot(topo: Topology, state: str = "running") -> dict[str, Any]:
         "state": state,
         "open": [c.record() for c in list(_OPEN)],
         "last": None if last is None else last.record(),
+        "started": {_group_key(*key): n for key, n in list(_SEQ.items())},  # calls begun on each group
     }
 
 
+def _group_key(dims: tuple[str, ...], first: int) -> str:
+    return f"{'_'.join(dims)}/{first}"
+
+
 def _request(topo: Topology, store: dist.Store, reason: str) -> dict[str, Any]:
-    """Ask every rank for its state and stacks (or join a request made moments ago); returns the request."""
-    count = store.add(f"{_PREFIX}/requests", 0)
-    if count:
-        with contextlib.suppress(RuntimeError, dist.DistError):  # its maker may be between add() and set()
-            store.wait([f"{_PREFIX}/request/{count}"], datetime.timedelta(seconds=1))
-            info = json.loads(store.get(f"{_PREFIX}/request/{count}"))
+    """Ask every rank for its state and stacks, or join the request another rank made moments ago."""
+    latest = int(store.add(f"{_PREFIX}/requests", 0))
+    if latest:
+        with contextlib.suppress(RuntimeError, dist.DistError):  # its maker may be between claim and count
+            store.wait([f"{_PREFIX}/request/{latest}"], datetime.timedelta(seconds=1))
+            info = json.loads(store.get(f"{_PREFIX}/request/{latest}"))
             if time.time() - info["time"] < _REQUEST_REUSE_S:
                 return info
-    n = store.add(f"{_PREFIX}/requests", 1)
+    n = latest + 1
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = (topo.run_dir / f"hang-{stamp}-{n}").absolute()
-    info = {"n": n, "folder": str(folder), "by": topo.label(), "reason": reason, "time": time.time()}
-    store.set(f"{_PREFIX}/request/{n}", json.dumps(info))
-    message = json.dumps(info)
+    mine = json.dumps({"n": n, "folder": str(folder), "by": topo.label(), "reason": reason, "time": time.time()})
+    stored = store.compare_set(f"{_PREFIX}/request/{n}", "", mine)  # ranks failing together: one wins
+    if stored.decode() != mine:
+        return json.loads(stored)
+    store.add(f"{_PREFIX}/requests", 1)
     for r in range(topo.world_size):
-        store.queue_push(f"{_PREFIX}/queue/{r}", message)
-    return info
+        store.queue_push(f"{_PREFIX}/queue/{r}", mine)
+    return json.loads(mine)
 
 
 def _timeout_error(
@@ -410,7 +417,8 @@ def _timeout_error(
         state, record = records.get(r, ("silent", None))
         open_calls = record["open"] if record is not None and state == "running" else []
         same = [c for c in open_calls if c["ranks"] == list(call.ranks) and c["seq"] == call.seq]
-        if bool(same) if missing is None else r not in missing:
+        begun = record["started"].get(_group_key(call.dims, call.ranks[0]), 0) if record is not None else 0
+        if begun > call.seq if missing is None else r not in missing:  # it reached this call (and may have left)
             if same and (same[0]["op"], same[0]["shapes"]) != (call.op, call.shapes):
                 notes.append(f"{_label(topo.layout, r)} arrived with another call: {describe(same[0])}")
             continue
@@ -419,7 +427,7 @@ def _timeout_error(
     if absent:
         text = f"{head}; ranks {absent} did not arrive"
     else:
-        text = f"{head}; every rank of the group arrived, so a collective inside failed"
+        text = f"{head}; every rank of the group reached it, so a collective inside failed"
     text += (": " if notes else "") + "; ".join(notes)
     text += f". Python stacks of every rank: {info['folder']}. " + _ADVICE
     return CollectiveTimeoutError(text)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric, MetricCollection
 
+from meshwise.debug import guarded
 from meshwise.engine import ready_batch
 from meshwise.errors import MetricError
 from meshwise.metrics import MeshMetric, Select, _resolve, compute_all
@@ -93,6 +94,11 @@ def create_evaluator(
     default_select = select or (lambda output, batch: (output, batch[target_key]))
 
     def step(engine: Engine, batch: Batch) -> Any:
+        # Every rank runs the forward (tensor-parallel collectives inside): a rank that is missing is named.
+        with guarded(topo, topo.dims, "evaluator step", step=engine.state.iteration, region=True):
+            return eval_step(batch)
+
+    def eval_step(batch: Batch) -> Any:
         batch = ready_batch(batch, prepare, device, "evaluator", MetricError)
         with torch.no_grad():
             output = _full(run_forward(model, batch))
