@@ -77,13 +77,24 @@ class Call:
     frame: FrameType | None = field(repr=False)
     thread: int = field(default_factory=threading.get_ident, repr=False)
     started: float = field(default_factory=time.monotonic, repr=False)
+    finished_at: tuple[str, int, str] | None = field(default=None, repr=False)
+
+    def finish(self) -> None:
+        """Drop the frame (a finished frame would keep its locals, a batch say, alive) but keep its line."""
+        f = self.frame
+        if f is not None:
+            self.frame = None
+            self.finished_at = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
 
     def site(self) -> str:
         """``metrics.py:484 in _fused_sync, from train.py:88 in main``: where the call was made, and the user's line
         that led there when the call itself is inside a library (meshwise, torch, ignite, ...)."""
         f = self.frame
         if f is None:
-            return "?"
+            if self.finished_at is None:
+                return "?"
+            path, line, name = self.finished_at
+            return f"{_short(path)}:{line} in {name}"
         text = _line(f)
         if _in_library(f):
             while f is not None and _in_library(f):
@@ -200,6 +211,7 @@ def guarded(
         raise _timeout_error(topo, call, exc) from exc
     finally:
         _OPEN.remove(call)
+        call.finish()
         _LAST[0] = call
 
 
