@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,7 +15,14 @@ import torch.distributed as dist
 import meshwise
 from meshwise.errors import CollectiveTimeoutError, MeshwiseError, TopologyError
 from meshwise.testing import DistributedFailure, run_command, run_distributed
-from meshwise.topology import Layout, detect_environment
+from meshwise.topology import (
+    Layout,
+    detect_environment,
+    dims_crossing_nodes,
+    expand_nodelist,
+    parse_tasks_per_node,
+    placement_warnings,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -272,3 +280,143 @@ def _init_again():
 def test_init_after_shutdown_builds_a_fresh_group():
     # The old group's gloo addresses stay in the launcher's store: a second init must not dial them.
     assert run_distributed(_init_again, 4, timeout=90) == [[2.0, 4.0]] * 4
+
+
+# --------------------------------------------------------------------------- several nodes: SLURM and placement
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu[003-010,012],cpu1", [f"gpu{i:03d}" for i in range(3, 11)] + ["gpu012", "cpu1"]),
+        ("node-[1-2]", ["node-1", "node-2"]),
+        ("a1,b[2-3]", ["a1", "b2", "b3"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),  # no padding: the width of the start, 1
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),  # padding kept past the width change
+        ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+        ("localhost", ["localhost"]),
+        ("host.example.org,10.0.0.1", ["host.example.org", "10.0.0.1"]),
+        (" x[1] ", ["x1"]),
+    ],
+)
+def test_slurm_node_lists_expand_like_scontrol(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize(
+    "nodelist,reason",
+    [
+        ("gpu[003-", "'[' without ']'"),
+        ("gpu]1", "']' without '['"),
+        ("a[1[2]]", "nested '['"),
+        ("a,,b", "an empty host between commas"),
+        ("a,", "an empty host between commas"),
+        ("a[1-x]", "is not N or N-M"),
+        ("a[]", "is not N or N-M"),
+        ("a[3-1]", "runs backwards"),
+        ("a b", "characters outside"),
+        ("a[1-9999999]", "more than"),
+        ("   ", "it is empty"),
+    ],
+)
+def test_a_malformed_node_list_names_the_variable_the_value_and_the_fix(nodelist, reason):
+    with pytest.raises(TopologyError) as info:
+        expand_nodelist(nodelist, "SLURM_STEP_NODELIST")
+    message = str(info.value)
+    assert message.startswith(f"SLURM_STEP_NODELIST={nodelist!r} is not a SLURM node list"), message
+    assert reason in message and "MASTER_ADDR" in message
+
+
+def test_slurm_tasks_per_node():
+    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert parse_tasks_per_node("4") == [4]
+    assert parse_tasks_per_node("1,2(x2)") == [1, 2, 2]
+    for bad in ("", "2(3)", "x", "0", "2(x0)", "2(x3),"):
+        with pytest.raises(TopologyError, match="SLURM_TASKS_PER_NODE=.* is not a SLURM task count"):
+            parse_tasks_per_node(bad)
+
+
+SRUN = {  # what srun sets for task 5 of 7 on nodes gpu[003-004],cpu1 (3 + 3 + 1 tasks), job 1234
+    "SLURM_JOB_ID": "1234",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "7",
+    "SLURM_LOCALID": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "3",
+    "SLURM_JOB_NODELIST": "gpu[001-004],cpu1",
+    "SLURM_STEP_NODELIST": "gpu[003-004],cpu1",
+    "SLURM_TASKS_PER_NODE": "3(x2),1",
+}
+
+
+def test_detect_environment_under_srun():
+    env = detect_environment(SRUN)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.node_rank) == ("slurm", 5, 7, 2, 1)
+    assert env.local_world_size == 3 and env.master_addr == "gpu003" and env.master_port == 21234
+    last = detect_environment({**SRUN, "SLURM_PROCID": "6", "SLURM_NODEID": "2", "SLURM_LOCALID": "0"})
+    assert last.local_world_size == 1 and last.node_rank == 2  # the short last node of '3(x2),1'
+    # the job's list when the step's is missing; an exported address wins and the list is not needed
+    assert detect_environment({**SRUN, "SLURM_STEP_NODELIST": ""}).master_addr == "gpu001"
+    chosen = detect_environment({**SRUN, "SLURM_JOB_NODELIST": "gpu[", "SLURM_STEP_NODELIST": "", "MASTER_ADDR": "h"})
+    assert chosen.master_addr == "h"
+    assert detect_environment({**SRUN, "MASTER_PORT": "4000"}).master_port == 4000
+    with pytest.raises(TopologyError, match=r"SLURM_STEP_NODELIST='gpu\[003-004,cpu1' is not a SLURM node list"):
+        detect_environment({**SRUN, "SLURM_STEP_NODELIST": "gpu[003-004,cpu1"})
+    with pytest.raises(TopologyError, match="SLURM_TASKS_PER_NODE='3x2' is not a SLURM task count"):
+        detect_environment({**SRUN, "SLURM_TASKS_PER_NODE": "3x2"})
+    with pytest.raises(TopologyError, match="SLURM_PROCID=9 is outside SLURM_NTASKS=7"):
+        detect_environment({**SRUN, "SLURM_PROCID": "9"})
+    with pytest.raises(TopologyError, match="SLURM_NODEID='one' is not an integer"):
+        detect_environment({**SRUN, "SLURM_NODEID": "one"})
+    no_list = {k: v for k, v in SRUN.items() if "NODELIST" not in k}
+    with pytest.raises(TopologyError, match="SLURM gave no node list"):
+        detect_environment(no_list)
+    # torchrun inside an allocation (srun meshwise run ...): torchrun's variables win, GROUP_RANK is the node
+    nested = detect_environment({**SRUN, "RANK": "3", "WORLD_SIZE": "8", "GROUP_RANK": "1", "LOCAL_RANK": "1"})
+    assert (nested.launcher, nested.rank, nested.node_rank) == ("torchrun", 3, 1)
+    assert detect_environment({"RANK": "0", "WORLD_SIZE": "2"}).node_rank is None  # no node index: hostnames
+
+
+@pytest.mark.parametrize(
+    "mesh,nodes,warned",
+    [
+        ({"tp": 2, "dp": 2}, [0, 0, 1, 1], ["tp"]),  # tp outermost: its pairs (0,2), (1,3) cross nodes
+        ({"dp": 2, "tp": 2}, [0, 0, 1, 1], []),
+        ({"tp": 2, "dp": 2}, [0, 0, 0, 0], []),  # one node: nothing crosses
+        ({"tp": 4}, [0, 0, 1, 1], []),  # no batch dim to move across nodes instead
+        ({"tp": 4, "dp": 2}, [0, 0, 1, 1, 2, 2, 3, 3], []),  # tp 4 > 2 per node: crosses in any order
+        ({"cp": 2, "tp": 2, "dp": 2}, [0] * 4 + [1] * 4, ["cp"]),  # cp crosses; tp is inner either way
+        ({"cp": 2, "tp": 2, "dp": 2}, [0, 0, 1, 1, 2, 2, 3, 3], ["tp"]),  # cp crosses in any order: not named
+        ({"pp": 2, "dp": 2, "tp": 2}, [0] * 4 + [1] * 4, []),  # a stage dim may cross nodes
+        ({"x": 2, "dp": 2}, [0, 0, 1, 1], ["x"]),  # by role, not by name (x is split below)
+    ],
+)
+def test_placement_warning_names_the_chatty_dim_that_crosses_nodes(mesh, nodes, warned):
+    layout = Layout.resolve(mesh, len(nodes), {"x": "split"} if "x" in mesh else None)
+    messages = placement_warnings(layout, nodes)
+    named = [re.match(r"mesh dim '(\w+)' \((replica|split)\) crosses nodes", m).group(1) for m in messages]
+    assert named == warned, messages
+    roles = {"x": "split"} if "x" in mesh else None
+    batch = layout.dims_with("batch")
+    order = [*batch, *(d for d in layout.dims if d not in batch)]
+    suggested = ",".join(f"{d}={mesh[d]}" for d in order)
+    for m in messages:
+        assert f"Declare the batch dims first, mesh '{suggested}'" in m, m
+    for d in warned:  # the advice holds: in the suggested order that dim stays inside nodes
+        better = Layout.resolve(suggested, len(nodes), roles)
+        assert d in dims_crossing_nodes(layout, nodes) and d not in dims_crossing_nodes(better, nodes)
+
+
+def test_placement_inputs_are_checked_and_the_table_shows_nodes():
+    layout = Layout.resolve({"tp": 2, "dp": 2}, 4)
+    with pytest.raises(TopologyError, match="3 node indices given for a mesh of 4 ranks"):
+        placement_warnings(layout, [0, 0, 1])
+    table = layout.table([0, 0, 1, 1], ["hostA", "hostB"])
+    lines = table.splitlines()
+    assert lines[0].startswith("mesh tp=2 x dp=2 (world 4)")  # the summary stays the first line
+    assert lines[1] == (
+        "2 node(s): node 0 (hostA): ranks 0-1; node 1 (hostB): ranks 2-3; dims whose groups cross nodes: ('tp',)"
+    )
+    assert lines[2].split() == ["rank", "node", "tp(replica)", "dp(batch)", "data_rank", "tp", "group", "dp", "group"]
+    assert lines[-1].startswith("warning: mesh dim 'tp' (replica) crosses nodes")
+    assert "node" not in layout.table().splitlines()[1]  # without nodes the table is as before

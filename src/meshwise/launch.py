@@ -5,27 +5,77 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from meshwise.errors import MeshwiseError
-from meshwise.topology import Layout, _first_slurm_host
+from meshwise.topology import Layout, slurm_job, slurm_master_addr, slurm_master_port
+
+_MULTI_NODE_HELP = """\
+several nodes (run the same command on every node; see README "Running on a cluster"):
+  --nnodes N                  number of nodes (MIN:MAX for an elastic job)
+  --rdzv-backend c10d         rendezvous through a TCP store that the node at the endpoint hosts
+  --rdzv-endpoint HOST:PORT   that node's address, the same on every node
+  --rdzv-id ID                a job id, the same on every node and different for every job
+  --node-rank K               with --rdzv-backend static (and --master-addr/--master-port) only;
+                              c10d gives the nodes their ranks itself, in the order of their addresses
+  --max-restarts N            after a worker fails, restart every worker of every node up to N times
+  --local-addr ADDR           the address the other nodes reach this node at, when the hostname
+                              does not resolve to it (several network interfaces, containers)
+
+Without any of these on one node, meshwise run rendezvouses on a free port (torchrun --standalone).
+Inside a SLURM allocation of several nodes (srun --ntasks-per-node 1 meshwise run ...), --nnodes,
+--node-rank and a c10d rendezvous at the step's first node default to SLURM's values.
+"""
+
+# Options that say where to rendezvous: given any of them, torchrun's own rules apply, never --standalone.
+_RENDEZVOUS_OPTIONS = (
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--rdzv-backend",
+    "--rdzv-endpoint",
+    "--rdzv-id",
+    "--rdzv-conf",
+    "--standalone",
+)
 
 
-def _run(argv: Sequence[str]) -> int:
+def _run_parser() -> argparse.ArgumentParser:
     from torch.distributed import run as torchrun
 
     parser = torchrun.get_args_parser()
     parser.prog = "meshwise run"
     parser.description = (
         "Run a script under torch.distributed.run (torchrun) with a declared mesh. Every torchrun option "
-        "works (--nproc-per-node, --nnodes, --rdzv-endpoint, --max-restarts, ...). Inside a SLURM "
-        "allocation of several nodes, --nnodes, --node-rank and the rendezvous default to SLURM's values."
+        "works (--nproc-per-node, --nnodes, --rdzv-endpoint, --max-restarts, ...) and reaches torchrun unchanged."
     )
+    parser.epilog = _MULTI_NODE_HELP
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--mesh", default=None, help="mesh sizes, e.g. dp=-1,tp=2 (exported as MESHWISE_MESH)")
     parser.add_argument("--roles", default=None, help="roles of dims without a default, e.g. space=split")
     parser.add_argument("--timeout", default=None, type=float, help="collective timeout in seconds")
+    return parser
+
+
+def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The torchrun arguments ``meshwise run`` hands to ``torch.distributed.run.run`` for ``argv``.
+
+    torchrun's options pass through as parsed by torchrun's own parser; meshwise only adds
+    ``--standalone`` on one node with no rendezvous given, and SLURM's node count, node rank and
+    rendezvous inside a multi-node allocation. ``env`` defaults to ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    parser = _run_parser()
     args = parser.parse_args(list(argv))
-    _standalone_by_default(args, argv)
+    _fill_from_slurm(args, env)
+    _standalone_by_default(args, argv, parser, env)
+    return args
+
+
+def _run(argv: Sequence[str]) -> int:
+    from torch.distributed import run as torchrun
+
+    args = parse_run_args(argv)
     if args.mesh is not None:
         world = _planned_world(args)
         if world:
@@ -35,7 +85,6 @@ def _run(argv: Sequence[str]) -> int:
         os.environ["MESHWISE_ROLES"] = args.roles
     if args.timeout is not None:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
-    _fill_from_slurm(args)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -46,21 +95,45 @@ def _run(argv: Sequence[str]) -> int:
     return 0
 
 
-def _standalone_by_default(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """One node and no rendezvous given: rendezvous on a free port (torchrun --standalone).
+def _options_given(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser) -> set[str]:
+    """The launcher options on the command line (before the script), by their dashed long name.
 
-    torchrun's own default is 127.0.0.1:29500, so two single-node jobs on one machine (two users, or a
-    job and its tests) collide and fail in confusing ways. Any explicit address keeps torchrun's rules.
+    Tokens are read as written (``--rdzv_id=x`` counts as ``--rdzv-id``); an option whose parsed value
+    differs from torchrun's default counts too, which covers argparse's abbreviations (``--rdzv-end``).
     """
-    options = set()
+    given = set()
     for token in argv:
         if token == args.training_script:
             break
-        options.add(token.split("=", 1)[0].replace("_", "-"))
-    explicit = {"--master-port", "--master-addr", "--rdzv-endpoint", "--rdzv-backend", "--standalone", "--nnodes"}
-    multi_node_slurm = "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NNODES", "1")) > 1
-    if not options & explicit and not multi_node_slurm:
-        args.standalone = True
+        if token.startswith("--"):
+            given.add(token.split("=", 1)[0].replace("_", "-"))
+    for action in parser._actions:
+        long_names = [o for o in action.option_strings if o.startswith("--")]
+        if long_names and action.dest != "help" and getattr(args, action.dest, None) != action.default:
+            given.add(long_names[0].replace("_", "-"))
+    return given
+
+
+def _single_node(nnodes: object) -> bool:
+    low, _, high = str(nnodes).partition(":")
+    return low.strip() == "1" and high.strip() in ("", "1")
+
+
+def _standalone_by_default(
+    args: argparse.Namespace, argv: Sequence[str], parser: argparse.ArgumentParser, env: Mapping[str, str]
+) -> None:
+    """One node and no rendezvous given: rendezvous on a free port (torchrun --standalone).
+
+    torchrun's own default is 127.0.0.1:29500, so two single-node jobs on one machine (two users, or a
+    job and its tests) collide and fail in confusing ways. Several nodes, or any rendezvous option (even
+    only ``--rdzv-id`` or ``--node-rank``), keep torchrun's rules: --standalone would replace the
+    rendezvous with one of its own and the nodes would never meet.
+    """
+    if not _single_node(args.nnodes) or args.standalone:
+        return
+    if set(_RENDEZVOUS_OPTIONS) & _options_given(argv, args, parser):
+        return
+    args.standalone = True
 
 
 def _planned_world(args: argparse.Namespace) -> int | None:
@@ -76,29 +149,49 @@ def _planned_world(args: argparse.Namespace) -> int | None:
     return nnodes * nproc
 
 
-def _fill_from_slurm(args: argparse.Namespace) -> None:
-    env = os.environ
-    if "SLURM_JOB_ID" not in env or int(env.get("SLURM_NNODES", "1")) <= 1 or str(args.nnodes) != "1:1":
+def _fill_from_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Inside a SLURM step on several nodes with no --nnodes given: one meshwise run per node meets the others."""
+    job = slurm_job(env)
+    if job is None or job.num_nodes <= 1 or str(args.nnodes) != "1:1":
         return
-    args.nnodes = env["SLURM_NNODES"]
-    args.node_rank = int(env.get("SLURM_NODEID", "0"))
+    args.nnodes = str(job.num_nodes)
+    args.node_rank = job.node_rank
     if args.rdzv_endpoint == "":
         args.rdzv_backend = "c10d"
-        host = _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        args.rdzv_endpoint = f"{host}:{env.get('MASTER_PORT', '29500')}"
-        args.rdzv_id = env["SLURM_JOB_ID"]
-    print(f"meshwise run: SLURM allocation of {args.nnodes} nodes, rendezvous at {args.rdzv_endpoint}", flush=True)
+        args.rdzv_endpoint = f"{slurm_master_addr(env)}:{slurm_master_port(env)}"
+        if args.rdzv_id == "none":
+            args.rdzv_id = f"slurm-{job.job_id}"
+    print(
+        f"meshwise run: SLURM job {job.job_id}, node {job.node_rank} of {job.num_nodes}, rendezvous at "
+        f"{args.rdzv_endpoint}",
+        flush=True,
+    )
 
 
 def _describe(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="meshwise describe", description="Print the rank -> coordinate table of a mesh without starting it."
+        prog="meshwise describe",
+        description="Print the rank -> coordinate table of a mesh without starting it. With --nproc-per-node, "
+        "ranks are placed on nodes as torchrun and srun number them (node by node), the table shows each rank's "
+        "node and a tensor- or domain-parallel dim that crosses nodes needlessly is pointed out.",
     )
     parser.add_argument("--mesh", required=True, help="mesh sizes, e.g. dp=-1,tp=2")
-    parser.add_argument("--world-size", type=int, required=True, help="number of processes to plan for")
+    parser.add_argument("--world-size", type=int, default=None, help="number of processes to plan for")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="processes on each node")
+    parser.add_argument("--nnodes", type=int, default=None, help="number of nodes (world size = nnodes x nproc)")
     parser.add_argument("--roles", default=None, help="roles of dims without a default, e.g. space=split")
     args = parser.parse_args(list(argv))
-    print(Layout.resolve(args.mesh, args.world_size, args.roles).table())
+    world, per_node = args.world_size, args.nproc_per_node
+    if world is None and args.nnodes is not None and per_node is not None:
+        world = args.nnodes * per_node
+    if world is None:
+        parser.error("give --world-size, or --nnodes with --nproc-per-node")
+    if args.nnodes is not None and per_node is not None and args.nnodes * per_node != world:
+        parser.error(f"--nnodes {args.nnodes} x --nproc-per-node {per_node} is not --world-size {world}")
+    if per_node is not None and (per_node < 1 or world % per_node):
+        parser.error(f"--world-size {world} is not a whole number of nodes of --nproc-per-node {per_node}")
+    layout = Layout.resolve(args.mesh, world, args.roles)
+    print(layout.table([r // per_node for r in range(world)] if per_node else None))
     return 0
 
 
@@ -123,7 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "usage: meshwise {run,describe,plot} ...\n\n"
             "  run       torchrun a script with a mesh:  meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 train.py\n"
-            "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8\n"
+            "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
+            "--nproc-per-node 4\n"
             "  plot      draw a run's curves:            meshwise plot runs/gpt",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
