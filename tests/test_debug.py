@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 import meshwise
 from meshwise.debug import guarded
-from meshwise.testing import CollectiveCounter, run_distributed
+from meshwise.testing import CollectiveCounter, run_command, run_distributed
 
 REAL_ALL_REDUCE = dist.all_reduce  # imported before any init: torch's own
 MESH = {"dp": 2, "tp": 2}  # dp groups [0, 2] and [1, 3]; tp groups [0, 1] and [2, 3]
@@ -275,6 +276,18 @@ def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
         assert "trainer step over dp (batch), tp (replica)" in msg and "step 3" in msg
         assert "rank 2 (dp=1, tp=0) has left: meshwise.shutdown() after trainer step" in msg, msg
     _assert_gone(results)
+
+
+def test_a_script_that_ends_early_under_meshwise_run_is_named(tmp_path):
+    # The real launcher: torchrun's agent hosts the store, and the early rank's exit record comes from atexit.
+    script = Path(__file__).parent / "debug_scripts" / "leave_early.py"
+    cmd = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", "2", str(script), str(tmp_path)]
+    out = run_command(cmd, timeout=120).stdout
+    (line,) = [x for x in out.splitlines() if x.startswith(("ERROR", "NO ERROR"))]
+    assert line.startswith("ERROR MetricSyncTimeout") and "over dp (batch), group [0, 1]" in line, out
+    assert "rank 1 (dp=1) has left: the process exited without meshwise.shutdown()" in line, out
+    (folder,) = tmp_path.glob("hang-*")
+    assert [f.name for f in sorted(folder.glob("rank-*.txt"))] == ["rank-00000.txt"]  # rank 1 was gone
 
 
 # --------------------------------------------------------------------------- cost of debug off

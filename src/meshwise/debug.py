@@ -568,6 +568,11 @@ class _Watchdog:
     def stop(self, store: dist.Store) -> None:
         self.stopped.set()
         store.queue_push(f"{_PREFIX}/queue/{self.topo.rank}", "stop")
+        # Wait for both threads to end: a daemon thread still returning from the store's C++ code when the
+        # interpreter finalizes is killed inside it, and the process aborts ("terminate called without an
+        # active exception"). Measured: sys.exit right after the push aborts; after the join it does not.
+        for thread in (self.answer, self.stall):
+            thread.join(5.0)
 
 
 _WATCHDOG: list[_Watchdog | None] = [None]
