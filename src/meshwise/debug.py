@@ -52,13 +52,6 @@ _PREFIX = "meshwise/debug"
 _HERE = {__file__, contextlib.__file__}
 
 
-def debug_enabled(topo: Topology | None = None) -> bool:
-    """Whether debug mode is on: ``topo.debug`` (set by ``init(debug=...)``), else ``MESHWISE_DEBUG``."""
-    if topo is not None:
-        return topo.debug
-    return os.environ.get("MESHWISE_DEBUG", "").lower() in ("1", "true", "yes", "on")
-
-
 # --------------------------------------------------------------------------- what this rank is in
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
 
-from meshwise.debug import debug_enabled, guarded
+from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
 from meshwise.topology import Dims, Topology
 
@@ -587,7 +587,7 @@ def _flat_values(value: Any) -> list[Tensor]:
 def _replica_check(metrics: list[MeshMetric], results: list[Any]) -> int:
     topo = metrics[0].topology
     dims = topo.replica_dims
-    on = debug_enabled(topo)
+    on = topo.debug
     checking = [(m, r) for m, r in zip(metrics, results) if (on if m.replica_check is None else m.replica_check)]
     if not checking or not dims or topo.size(dims) == 1:
         return 0
