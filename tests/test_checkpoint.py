@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshwise.testing import DistributedFailure, free_port, run_command, run_distributed
+from meshwise.testing import DistributedFailure, run_command, run_distributed
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "ckpt_scripts"
@@ -166,10 +166,11 @@ def _phase_one(topo, root: str, async_root: str, err_root: str) -> dict:
 # --------------------------------------------------------------------------- launch 2: new processes, several meshes
 
 
-def _init(mesh: dict, port: int, world: int | None = None):
+def _init(mesh: dict, world: int | None = None):
     import meshwise
 
-    os.environ["MASTER_PORT"] = str(port)
+    # Every init meets on the launcher's store (run_distributed hosts it, as torchrun's agent does) under its
+    # own prefix, so a new mesh in the same processes needs no new port.
     if world is not None:
         os.environ.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"})
     return meshwise.init(mesh, timeout=30)
@@ -208,20 +209,20 @@ def _other_mesh(topo, root: str, saved: dict) -> dict:
     }
 
 
-def _phase_two(root: str, ports: list[int], saved: dict) -> dict:
+def _phase_two(root: str, saved: dict) -> dict:
     import meshwise
 
     out: dict = {}
-    topo = _init(MESH, ports[0])
+    topo = _init(MESH)
     out["resume"] = cc.train(topo, root, stop_at=10, every=5)
     meshwise.shutdown()
 
-    for name, mesh, port in (("dp4", {"dp": 4}, ports[1]), ("tp4", {"dp": 1, "tp": 4}, ports[2])):
-        topo = _init(mesh, port)
+    for name, mesh in (("dp4", {"dp": 4}), ("tp4", {"dp": 1, "tp": 4})):
+        topo = _init(mesh)
         out[name] = _other_mesh(topo, root, saved)
         meshwise.shutdown()
     if int(os.environ["RANK"]) == 0:
-        topo = _init({"dp": 1}, ports[3], world=1)
+        topo = _init({"dp": 1}, world=1)
         out["one"] = _other_mesh(topo, root, saved)
         meshwise.shutdown()
     return out
@@ -238,8 +239,7 @@ def runs(tmp_path_factory):
         _phase_one, 4, str(root), str(base / "async"), str(base / "errors"), mesh=MESH, timeout=150, pg_timeout=60
     )
     saved = one[0]["part"]["state"]
-    ports = [free_port() for _ in range(4)]
-    two = run_distributed(_phase_two, 4, str(root), ports, saved, timeout=150)
+    two = run_distributed(_phase_two, 4, str(root), saved, timeout=150)
     return {"one": one, "two": two, "base": base}
 
 
