@@ -20,43 +20,21 @@ import argparse
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_overhead import LOCAL_BATCH, OUT, D, T, build  # noqa: E402 - the same model as the overhead benchmark
+from bench_overhead import workload  # noqa: E402 - the same model, data and hand loop as the overhead benchmark
 
 
 def measure(topo, blocks: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    import meshwise
     from meshwise import debug
 
-    warnings.simplefilter("ignore")
-    g = torch.Generator().manual_seed(topo.data_rank)
-    data = [
-        {"input": torch.randn(LOCAL_BATCH, T, D, generator=g), "target": torch.randn(LOCAL_BATCH, T, OUT, generator=g)}
-        for _ in range(steps)
-    ]
-    model, opt = build(topo)
-    trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo)
-    group, data_size = topo.group(topo.metric_dims), topo.size(topo.metric_dims)
+    data, trainer, hand_loop = workload(topo, steps)
 
     def theirs() -> None:
-        model.train()
-        for batch in data:
-            opt.zero_grad(set_to_none=True)
-            loss = F.mse_loss(model(batch["input"]), batch["target"])
-            loss.backward()
-            value = loss.detach().clone()
-            dist.all_reduce(value, group=group)
-            value /= data_size
-            opt.step()
-            value.item()
+        hand_loop(data)
 
     def set_debug(on: bool) -> None:
         # The switch meshwise.init(debug=...) makes once, flipped here so all three share one run and one model.

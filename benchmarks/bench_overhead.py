@@ -68,7 +68,10 @@ def build(topo) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def measure(topo, blocks: int, steps: int) -> dict:
+def workload(topo, steps: int):
+    """Each data rank's ``steps`` batches, one model and optimizer, the trainer over them, and the hand loop
+    doing the same work; one model and optimizer for both, so memory layout and parameter values cannot
+    favour either side. Also used by bench_debug.py."""
     import torch.distributed as dist
 
     import meshwise
@@ -79,7 +82,6 @@ def measure(topo, blocks: int, steps: int) -> dict:
         {"input": torch.randn(LOCAL_BATCH, T, D, generator=g), "target": torch.randn(LOCAL_BATCH, T, OUT, generator=g)}
         for _ in range(steps)
     ]
-    # One model and optimizer for both, so memory layout and parameter values cannot favour either side.
     model_b, opt_b = build(topo)
     trainer = meshwise.create_trainer(model_b, opt_b, F.mse_loss, topo)
     data_size = topo.size(topo.metric_dims)
@@ -97,6 +99,14 @@ def measure(topo, blocks: int, steps: int) -> dict:
                 value /= data_size
             opt_b.step()
             value.item()
+
+    return data, trainer, hand_loop
+
+
+def measure(topo, blocks: int, steps: int) -> dict:
+    import torch.distributed as dist
+
+    data, trainer, hand_loop = workload(topo, steps)
 
     def timed(fn) -> float:
         if topo.world_size > 1:
