@@ -195,6 +195,13 @@ def _watchdog_scenarios(run_dir: str) -> dict:
     topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/skip")
     rank = topo.rank
     out["plain"] = dist.all_reduce is REAL_ALL_REDUCE
+    # An error that is not a collective's (here a DataLoader's) passes through a guarded step unchanged, at once.
+    start = time.monotonic()
+    try:
+        with guarded(topo, topo.dims, "trainer step", step=1, region=True):
+            raise RuntimeError("DataLoader worker (pid 123) timed out after 5 seconds")
+    except RuntimeError as exc:
+        out["user_error"] = (type(exc).__name__, str(exc), time.monotonic() - start)
     out["skip"] = _attempt(lambda: _metric_compute(topo, skip=rank == 2))
     _meet(topo, "skip")
     meshwise.shutdown()
@@ -246,6 +253,10 @@ def _trainer(topo):
 def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
     results = run_distributed(_watchdog_scenarios, 4, timeout=120, env={"MESHWISE_DEBUG": "0"}, run_dir=str(tmp_path))
     assert all(r["plain"] for r in results)  # debug off: torch.distributed is not wrapped
+    for r in results:
+        kind, msg, seconds = r["user_error"]
+        assert (kind, msg) == ("RuntimeError", "DataLoader worker (pid 123) timed out after 5 seconds")
+        assert seconds < 0.5
 
     kind, msg, seconds = results[0]["skip"]
     assert kind == "MetricSyncTimeout" and TIMEOUT <= seconds < TIMEOUT + 5

@@ -148,7 +148,7 @@ def _shapes(tensors: torch.Tensor | Sequence[torch.Tensor] | None) -> str:
 
 
 def describe(call: dict[str, Any]) -> str:
-    """``all_reduce(SUM) float32[4] over dp (batch), group [1, 3], step 5, at train.py:40 in step``."""
+    """``all_reduce(op=SUM) float32[4] over dp (batch), group [1, 3], step 5, at train.py:40 in step``."""
     text = call["op"] + (f" {call['shapes']}" if call.get("shapes") else "")
     text += f" over {call['where']}, group {call['ranks']}"
     if call.get("step") is not None:
@@ -209,13 +209,13 @@ def guarded(
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
-    """gloo reports timeouts and lost peers as plain RuntimeErrors; NCCL and the store as DistErrors."""
+    """gloo reports timeouts and lost peers as plain RuntimeErrors whose text starts with its source path
+    (``[.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``); NCCL and the store raise DistErrors.
+    Anything else (a DataLoader that "timed out", a shape error in the model) is not a collective's failure."""
     if isinstance(exc, dist.DistError):
         return True
-    text = str(exc)
-    return type(exc) is RuntimeError and any(
-        s in text for s in ("gloo", "Timed out", "timed out", "Connection closed", "Connection reset", "NCCL")
-    )
+    text = str(exc).lower()
+    return type(exc) is RuntimeError and ("gloo" in text or "nccl" in text)
 
 
 def _label(layout: Layout, rank: int) -> str:
