@@ -85,9 +85,7 @@ def main() -> None:
     # A step ends when the slowest rank ends it: per block, the slowest rank's time.
     guard_us = statistics.median(r.pop("guard_us") for r in results)
     times = {name: [max(r[name][i] for r in results) for i in range(args.blocks)] for name in results[0]}
-    ratios = {
-        name: statistics.median(a / b for a, b in zip(times[name], times["theirs"])) for name in ("off", "on")
-    }
+    ratios = {name: statistics.median(a / b for a, b in zip(times[name], times["theirs"])) for name in ("off", "on")}
     for name, values in times.items():
         print(f"{name:>6}: median step {statistics.median(values) * 1e3:8.2f} ms over {args.blocks} blocks")
     extra_us = (statistics.median(times["off"]) - statistics.median(times["theirs"])) * 1e6

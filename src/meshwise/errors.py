@@ -1,6 +1,20 @@
-"""The one exception family meshwise raises: each message says what was wrong and what to do."""
+"""Every error and warning class meshwise raises: each message says what was wrong and what to do."""
 
 from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "DataError",
+    "MeshwiseError",
+    "MetricError",
+    "MetricSyncTimeout",
+    "ParallelError",
+    "PlacementWarning",
+    "TopologyError",
+]
 
 
 class MeshwiseError(Exception):
@@ -37,3 +51,11 @@ class CollectiveTimeoutError(CollectiveError):
 
 class CollectiveMismatchError(CollectiveError):
     """Ranks of one group reached the same collective with different ops, shapes, dtypes or steps (debug mode)."""
+
+
+class MetricSyncTimeout(MetricError, CollectiveTimeoutError):
+    """A metric synchronisation did not complete: some rank of the group skipped ``compute()`` or died."""
+
+
+class PlacementWarning(UserWarning):
+    """A chatty (``replica``/``split``) mesh dim crosses nodes where a ``batch`` dim could have instead."""

@@ -19,16 +19,12 @@ from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
 
 from meshwise.debug import guarded
-from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
+from meshwise.errors import CollectiveTimeoutError, MetricError, MetricSyncTimeout, TopologyError
 from meshwise.topology import Dims, Topology
 
 __all__ = ["MeanLoss", "MeshMetric", "MetricSyncTimeout", "attach", "compute_all", "filter_rows"]
 
 Select = Callable[[Any, Mapping[str, Any]], Any]
-
-
-class MetricSyncTimeout(MetricError, CollectiveTimeoutError):
-    """A metric synchronisation did not complete: some rank of the group skipped ``compute()`` or died."""
 
 
 # --------------------------------------------------------------------------- a weighted mean

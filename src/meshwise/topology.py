@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from meshwise.errors import CollectiveTimeoutError, TopologyError
+from meshwise.errors import CollectiveTimeoutError, PlacementWarning, TopologyError
 
 ROLES = ("batch", "split", "replica", "stage")
 
@@ -268,10 +268,6 @@ class Layout:
 
 
 # --------------------------------------------------------------------------- placement on nodes
-
-
-class PlacementWarning(UserWarning):
-    """A chatty (``replica``/``split``) mesh dim crosses nodes where a ``batch`` dim could have instead."""
 
 
 def _check_nodes(layout: Layout, nodes: Sequence[int]) -> list[int]:
@@ -767,6 +763,18 @@ _INITS = 0
 
 def current() -> Topology | None:
     """The topology made by :func:`init` in this process, or ``None``."""
+    return _CURRENT
+
+
+def resolve(topology: Topology | None = None) -> Topology:
+    """The one route to the topology for every layer: ``topology`` if given, else the current one.
+
+    Raises :class:`TopologyError` when neither exists.
+    """
+    if topology is not None:
+        return topology
+    if _CURRENT is None:
+        raise TopologyError("no topology: call meshwise.init(...) first, or pass topology=")
     return _CURRENT
 
 
