@@ -51,6 +51,19 @@ def data_parallel_kind(model: nn.Module) -> str | None:
     return None
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of ``model`` back into its sharded state.
+
+    A forward without backward (an evaluation) leaves FSDP2's root unsharded: ``parameters()`` are then
+    not the tensors the optimizer holds, and a state dict would see the gathered ones.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
     return [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
 
