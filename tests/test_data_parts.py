@@ -9,7 +9,8 @@ import torch
 import zarr
 from test_data_sampler import layout_topology
 
-from meshwise.data import ArrayDataset, Replicate, Shard, chunk_bounds, mesh_dataloader, resolve_part
+from meshwise.data import ArrayDataset, Replicate, Shard, chunk_bounds, mesh_dataloader
+from meshwise.data.parts import resolve_part
 from meshwise.errors import DataError
 
 N, SHAPE = 9, (2, 14, 10)  # samples of 2 x 14 x 10: axis 1 splits unevenly in 4 (4, 4, 4, 2)

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 from meshwise.data.loader import MeshDataLoader, mesh_dataloader
-from meshwise.data.parts import FieldPart, Replicate, Shard, as_dtensor, chunk_bounds, resolve_part
+from meshwise.data.parts import Replicate, Shard, chunk_bounds
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, Source
 
+# What users call; the part arithmetic (FieldPart, resolve_part, as_dtensor) stays in meshwise.data.parts.
 __all__ = [
     "ArrayDataset",
-    "FieldPart",
     "MeshDataLoader",
     "MeshSampler",
     "Replicate",
     "Shard",
     "Source",
-    "as_dtensor",
     "chunk_bounds",
     "mesh_dataloader",
-    "resolve_part",
 ]

@@ -22,6 +22,9 @@ from meshwise.data.parts import FieldPart, Replicate, Shard, as_dtensor, resolve
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, torch_dtype
 from meshwise.errors import DataError
+from meshwise.topology import Topology, resolve
+
+__all__ = ["MeshDataLoader", "mesh_dataloader"]
 
 READS = ("each", "broadcast", "scatter")
 _ALIGN = 64
@@ -110,7 +113,7 @@ class MeshDataLoader:
     def __init__(
         self,
         dataset: ArrayDataset | Mapping[str, Any],
-        topology: Any,
+        topology: Topology | None = None,
         *,
         global_batch_size: int,
         mode: str = "train",
@@ -128,6 +131,7 @@ class MeshDataLoader:
             raise DataError(f"read must be one of {READS}, got {read!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        topology = resolve(topology)
         self.dataset, self.topology = dataset, topology
         self.sampler = MeshSampler.from_topology(
             topology, len(dataset), global_batch_size, mode=mode, seed=seed, drop_last=drop_last
@@ -257,7 +261,7 @@ class MeshDataLoader:
 
 def mesh_dataloader(
     dataset: ArrayDataset | Mapping[str, Any],
-    topology: Any,
+    topology: Topology | None = None,
     *,
     global_batch_size: int,
     mode: str = "train",

@@ -15,6 +15,8 @@ import torch
 
 from meshwise.errors import DataError
 
+__all__ = ["FieldPart", "Replicate", "Shard", "as_dtensor", "chunk_bounds", "resolve_part"]
+
 
 @dataclass(frozen=True)
 class Shard:

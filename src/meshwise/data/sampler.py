@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 
 from meshwise.errors import DataError
+from meshwise.topology import Topology, resolve
+
+__all__ = ["MODES", "MeshSampler"]
 
 MODES = ("train", "eval")
 
@@ -72,8 +75,11 @@ class MeshSampler:
         self._order_cache: tuple[tuple[int, int], np.ndarray] | None = None
 
     @classmethod
-    def from_topology(cls, topology: Any, dataset_length: int, global_batch_size: int, **kwargs: Any) -> MeshSampler:
+    def from_topology(
+        cls, topology: Topology | None, dataset_length: int, global_batch_size: int, **kwargs: Any
+    ) -> MeshSampler:
         """A sampler for this rank: ``data_rank``/``data_size`` come from the topology's batch dims."""
+        topology = resolve(topology)
         return cls(
             dataset_length, global_batch_size, data_rank=topology.data_rank, data_size=topology.data_size, **kwargs
         )

@@ -18,6 +18,18 @@ import torch
 
 from meshwise.errors import DataError
 
+__all__ = [
+    "ArrayDataset",
+    "HDF5Source",
+    "NumpySource",
+    "Source",
+    "TensorSource",
+    "ZarrSource",
+    "as_source",
+    "chunk_bytes",
+    "torch_dtype",
+]
+
 RESERVED = ("valid", "index")
 _SMALL_ROW = 1 << 16  # below this many bytes a row, one fancy-indexing read beats a Python loop over rows
 
