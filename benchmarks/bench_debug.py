@@ -39,7 +39,7 @@ def measure(topo, blocks: int, steps: int) -> dict:
     def set_debug(on: bool) -> None:
         # The switch meshwise.init(debug=...) makes once, flipped here so all three share one run and one model.
         topo.debug = on
-        debug._install(topo) if on else debug._uninstall()
+        debug.install(topo) if on else debug.uninstall()
 
     def off() -> None:
         trainer.run(data, max_epochs=1)

@@ -308,9 +308,9 @@ def _collectives_per_step(debug: bool) -> dict:
     topo = meshwise.init(MESH, timeout=30, debug=debug)
     trainer, loader = _trainer(topo)
     trainer.run(loader, max_epochs=1, epoch_length=1)  # warm-up
-    from meshwise.debug import _OPS
+    from meshwise.debug import COLLECTIVE_OPS
 
-    with CollectiveCounter([name for name in _OPS if hasattr(dist, name)]) as c:  # every op debug mode wraps
+    with CollectiveCounter([name for name in COLLECTIVE_OPS if hasattr(dist, name)]) as c:  # every op debug mode wraps
         trainer.run(loader, max_epochs=1, epoch_length=2)
     meshwise.shutdown()
     return {"calls": c.calls}

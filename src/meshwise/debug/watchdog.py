@@ -1,38 +1,26 @@
-"""No silent hangs: collectives that go wrong name their mesh dims, roles, op, step, call site and missing ranks.
+"""What this rank is in: the open collectives, the stall watchdog, hang reports and every rank's stacks.
 
-Two mechanisms, both keyed to the :class:`~meshwise.topology.Topology`:
-
-* **Stall watchdog (always on, costs nothing per step).** meshwise's own collectives (the trainer
-  step, metric syncs) run inside :func:`guarded`, which only notes in local memory what this rank is
-  in. When a collective fails — gloo's timeout, a peer that closed its connection — the failing rank
-  asks every rank, through the rendezvous store, what it is doing: each rank's watchdog thread (blocked
-  on the store, never polling) answers with its open collectives and writes the Python stacks of all
-  its threads to ``RUN_DIR/hang-*/rank-N.txt``. The error, a :class:`CollectiveTimeoutError`, names the
-  dims, their roles, the op, the step and, for every rank that did not arrive, where it is instead.
-  A region that outlives the timeout without an error (NCCL collectives are asynchronous) is reported
-  by the watchdog in the same way.
-* **Debug mode** (``meshwise.init(..., debug=True)`` or ``MESHWISE_DEBUG=1``). ``torch.distributed``'s
-  collectives are wrapped: a call on a topology group first exchanges a fingerprint (dims, role, op,
-  shapes, dtype, step, call site) with its group through the store. A difference raises
-  :class:`CollectiveMismatchError` on every rank of the group *before* the collective runs (no gloo
-  abort, the group stays usable); a rank that never comes is a :class:`CollectiveTimeoutError` naming
-  it. With debug off nothing is wrapped and no fingerprint is exchanged.
+meshwise's own collectives (the trainer step, metric syncs) run inside :func:`guarded`, which only notes in
+local memory what this rank is in (a :class:`Call`). When a collective fails — gloo's timeout, a peer that
+closed its connection — the failing rank asks every rank, through the rendezvous store, what it is doing:
+each rank's watchdog thread (blocked on the store, never polling) answers with its open collectives and
+writes the Python stacks of all its threads to ``RUN_DIR/hang-*/rank-N.txt``. The error, a
+:class:`CollectiveTimeoutError`, names the dims, their roles, the op, the step and, for every rank that did
+not arrive, where it is instead. A region that outlives the timeout without an error (NCCL collectives are
+asynchronous) is reported by the watchdog in the same way; a rank that leaves writes an exit record.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
-import functools
-import inspect
 import json
 import os
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +30,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
-from meshwise.topology import Dims, Layout, Topology, current
+from meshwise.errors import CollectiveError, CollectiveTimeoutError
+from meshwise.topology import Dims, Layout, Topology
 
-_KEEP = 16  # fingerprints older than this many calls on a group are deleted: every member has long passed them
+__all__ = [
+    "STORE_PREFIX",
+    "Call",
+    "default_store",
+    "describe",
+    "guarded",
+    "innermost",
+    "rank_label",
+    "start",
+    "stop",
+    "timeout_error",
+]
+
+STORE_PREFIX = "meshwise/debug"  # every key this package keeps in the rendezvous store starts with it
 _GRACE_S = 3.0  # how long a failing rank waits for the others' answers (live ranks answer in milliseconds)
 _REQUEST_REUSE_S = 30.0  # failures this close together share one report folder
-_PREFIX = "meshwise/debug"
-_HERE = {__file__, contextlib.__file__}
+_DEBUG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames here are never the call site
+_PACKAGE = os.path.dirname(_DEBUG_DIR.rstrip(os.sep)) + os.sep  # meshwise itself: a library frame
 
 
 # --------------------------------------------------------------------------- what this rank is in
@@ -101,6 +102,7 @@ class Call:
         return {"op": self.op, "shapes": self.shapes, "step": self.step}
 
     def record(self) -> dict[str, Any]:
+        """The fingerprint with the group, call site and age: what reports and messages are made of."""
         return {
             **self.fingerprint(),
             "dims": list(self.dims),
@@ -120,9 +122,6 @@ def _short(path: str) -> str:
     return path
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
 def _in_library(frame: FrameType) -> bool:
     path = frame.f_code.co_filename
     return path.startswith(_PACKAGE) or f"{os.sep}site-packages{os.sep}" in path or path.startswith("<")
@@ -133,8 +132,11 @@ def _line(frame: FrameType) -> str:
 
 
 def _caller() -> FrameType | None:
+    """The first frame outside this package and ``contextlib``: where the guarded call was made."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename in _HERE:
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_DEBUG_DIR) or frame.f_code.co_filename == contextlib.__file__
+    ):
         frame = frame.f_back
     return frame
 
@@ -159,6 +161,11 @@ def describe(call: dict[str, Any]) -> str:
 _OPEN: list[Call] = []  # calls this process is inside, outermost first (read by the watchdog thread)
 _LAST: list[Call | None] = [None]  # the last call this process finished
 _SEQ: dict[tuple[Any, ...], int] = {}
+
+
+def innermost() -> Call | None:
+    """The innermost call this process is inside, or ``None``."""
+    return _OPEN[-1] if _OPEN else None
 
 
 @contextmanager
@@ -196,12 +203,15 @@ def guarded(
     _OPEN.append(call)
     try:
         if topo.debug if check is None else check:
-            _compare(topo, call)
+            # fingerprint.py builds on this module (its wrappers run inside guarded), so it is looked up here
+            from meshwise.debug.fingerprint import compare
+
+            compare(topo, call)
         yield
     except Exception as exc:
         if isinstance(exc, CollectiveError) or not _is_collective_failure(exc):
             raise  # already named by an inner call, or not a collective's failure (e.g. the user's model)
-        raise _timeout_error(topo, call, exc) from exc
+        raise timeout_error(topo, call, exc) from exc
     finally:
         _OPEN.remove(call)
         call.finish()
@@ -218,140 +228,15 @@ def _is_collective_failure(exc: BaseException) -> bool:
     return type(exc) is RuntimeError and ("gloo" in text or "nccl" in text)
 
 
-def _label(layout: Layout, rank: int) -> str:
+def rank_label(layout: Layout, rank: int) -> str:
+    """``rank 3 (dp=1, tp=1)``: how messages name another rank of the layout."""
     coords = ", ".join(f"{d}={c}" for d, c in layout.coordinates(rank).items())
     return f"rank {rank} ({coords})"
 
 
-def _store() -> dist.Store:
+def default_store() -> dist.Store:
+    """The rendezvous store of the default process group, where reports and fingerprints are exchanged."""
     return dist.distributed_c10d._get_default_store()
-
-
-# --------------------------------------------------------------------------- debug mode: fingerprints
-
-
-def _compare(topo: Topology, call: Call) -> None:
-    """Exchange fingerprints with the group through the store; raise if they differ or a rank never comes."""
-    store = _store()
-    base = f"{_PREFIX}/fp/{'_'.join(call.dims)}/{call.ranks[0]}"
-    keys = [f"{base}/{call.seq}/{r}" for r in call.ranks]
-    mine = call.record()
-    store.set(f"{base}/{call.seq}/{topo.rank}", json.dumps(mine))
-    if call.seq >= _KEEP:
-        store.delete_key(f"{base}/{call.seq - _KEEP}/{topo.rank}")
-    try:
-        store.wait(keys, topo.timeout)
-    except (RuntimeError, dist.DistError):
-        missing = [r for r, k in zip(call.ranks, keys) if not store.check([k])]
-        raise _timeout_error(topo, call, None, missing=missing) from None
-    theirs = {r: json.loads(v) for r, v in zip(call.ranks, store.multi_get(keys))}
-    want = call.fingerprint()
-    if all({k: t[k] for k in want} == want for t in theirs.values()):
-        return
-    lines = [f"  {_label(topo.layout, r)}: {describe(t)}" for r, t in theirs.items()]
-    fields = sorted({k for t in theirs.values() for k in want if t[k] != want[k]})
-    raise CollectiveMismatchError(
-        f"{topo.label()}: the ranks of the {call.where} group {list(call.ranks)} reached their collective "
-        f"#{call.seq} on it with different {', '.join(fields)}:\n" + "\n".join(lines) + "\nEvery rank of a group "
-        "must make the same collectives, in the same order, with the same shapes and dtypes: look for a branch "
-        "on the rank, a skipped step or a tensor of another shape. Nothing was sent; the group is still usable"
-    )
-
-
-# Which arguments of each torch.distributed collective go into its fingerprint: (tensors whose shape and
-# dtype must agree, attributes that must agree). Shapes of all_to_all may differ by design: dtype only.
-_OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "all_reduce": (("tensor",), ("op",)),
-    "reduce": (("tensor",), ("op", "dst", "group_dst")),
-    "broadcast": (("tensor",), ("src", "group_src")),
-    "all_gather": (("tensor",), ()),
-    "all_gather_into_tensor": (("input_tensor", "output_tensor"), ()),
-    "all_gather_single": (("input_tensor", "output_tensor"), ()),  # what FSDP2 calls on torch 2.13
-    "all_reduce_coalesced": (("tensors",), ("op",)),
-    "all_gather_coalesced": (("input_tensor_list",), ()),
-    "reduce_scatter": (("output",), ("op",)),
-    "reduce_scatter_tensor": (("input", "output"), ("op",)),
-    "reduce_scatter_single": (("input", "output"), ("op",)),
-    "all_to_all_single": ((), ()),
-    "all_to_all": ((), ()),
-    "gather": (("tensor",), ("dst", "group_dst")),
-    "scatter": (("tensor",), ("src", "group_src")),
-    "barrier": ((), ()),
-    "all_gather_object": ((), ()),
-    "broadcast_object_list": ((), ("src", "group_src")),
-    "gather_object": ((), ("dst", "group_dst")),
-    "scatter_object_list": ((), ("src", "group_src")),
-}
-_ORIGINAL: dict[str, Callable[..., Any]] = {}
-_INSIDE = threading.local()  # a wrapped collective called by another one is part of it: not checked again
-
-
-def _install(topo: Topology) -> None:
-    """Wrap ``torch.distributed``'s collectives so calls on the topology's groups are fingerprinted first."""
-    groups = {topo.group(dims).group_name: dims for dims in topo._submeshes}
-    groups[dist.group.WORLD.group_name] = topo.dims
-    for name in _OPS:
-        if hasattr(dist, name):  # some exist only in newer torch releases
-            real = _ORIGINAL.setdefault(name, getattr(dist, name))
-            setattr(dist, name, _checked(topo, groups, name, real))
-
-
-def _checked(
-    topo: Topology, groups: dict[str, tuple[str, ...]], name: str, real: Callable[..., Any]
-) -> Callable[..., Any]:
-    signature = inspect.signature(real)
-    tensor_args, attr_args = _OPS[name]
-
-    @functools.wraps(real)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_INSIDE, "on", False) or current() is not topo:  # nested, or a wrapper left by a finished run
-            return real(*args, **kwargs)
-        try:
-            call = signature.bind(*args, **kwargs)
-        except TypeError:
-            return real(*args, **kwargs)  # torch reports its own argument errors
-        call.apply_defaults()  # an explicit op=SUM and the default one are the same call
-        bound = call.arguments
-        dims = groups.get(getattr(bound.get("group") or dist.group.WORLD, "group_name", None))
-        top = _OPEN[-1] if _OPEN else None
-        if dims is None or (
-            top is not None and not top.region and top.dims == dims and top.thread == threading.get_ident()
-        ):
-            return real(*args, **kwargs)  # not a topology group, or already checked by meshwise's own guard
-        attrs = [f"{a}={_attr(bound[a])}" for a in attr_args if bound.get(a) is not None]
-        op = name + (f"({', '.join(attrs)})" if attrs else "")
-        tensors = [t for a in tensor_args for t in _tensors(bound.get(a))]
-        if name.startswith("all_to_all"):
-            first = bound.get("input", bound.get("input_tensor_list"))
-            first = first[0] if isinstance(first, (list, tuple)) and first else first
-            op += f" {str(getattr(first, 'dtype', '')).removeprefix('torch.')}"
-        with guarded(topo, dims, op, tensor=tensors or None, check=True):
-            _INSIDE.on = True
-            try:
-                return real(*args, **kwargs)
-            finally:
-                _INSIDE.on = False
-
-    return checked
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for t in value if isinstance(t, torch.Tensor)]
-    return []
-
-
-def _attr(value: Any) -> str:
-    return str(getattr(value, "name", value))
-
-
-def _uninstall() -> None:
-    for name, real in _ORIGINAL.items():
-        if getattr(getattr(dist, name), "__wrapped__", None) is real:  # leave anyone else's wrapper alone
-            setattr(dist, name, real)
-    _ORIGINAL.clear()
 
 
 # --------------------------------------------------------------------------- hang reports
@@ -374,27 +259,27 @@ def _group_key(dims: tuple[str, ...], first: int) -> str:
 
 def _request(topo: Topology, store: dist.Store, reason: str) -> dict[str, Any]:
     """Ask every rank for its state and stacks, or join the request another rank made moments ago."""
-    latest = int(store.add(f"{_PREFIX}/requests", 0))
+    latest = int(store.add(f"{STORE_PREFIX}/requests", 0))
     if latest:
         with contextlib.suppress(RuntimeError, dist.DistError):  # its maker may be between claim and count
-            store.wait([f"{_PREFIX}/request/{latest}"], datetime.timedelta(seconds=1))
-            info = json.loads(store.get(f"{_PREFIX}/request/{latest}"))
+            store.wait([f"{STORE_PREFIX}/request/{latest}"], datetime.timedelta(seconds=1))
+            info = json.loads(store.get(f"{STORE_PREFIX}/request/{latest}"))
             if time.time() - info["time"] < _REQUEST_REUSE_S:
                 return info
     n = latest + 1
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     folder = (topo.run_dir / f"hang-{stamp}-{n}").absolute()
     mine = json.dumps({"n": n, "folder": str(folder), "by": topo.label(), "reason": reason, "time": time.time()})
-    stored = store.compare_set(f"{_PREFIX}/request/{n}", "", mine)  # ranks failing together: one wins
+    stored = store.compare_set(f"{STORE_PREFIX}/request/{n}", "", mine)  # ranks failing together: one wins
     if stored.decode() != mine:
         return json.loads(stored)
-    store.add(f"{_PREFIX}/requests", 1)
+    store.add(f"{STORE_PREFIX}/requests", 1)
     for r in range(topo.world_size):
-        store.queue_push(f"{_PREFIX}/queue/{r}", mine)
+        store.queue_push(f"{STORE_PREFIX}/queue/{r}", mine)
     return json.loads(mine)
 
 
-def _timeout_error(
+def timeout_error(
     topo: Topology, call: Call, cause: BaseException | None, missing: list[int] | None = None
 ) -> CollectiveTimeoutError:
     """Ask the other ranks where they are, then name the dims, roles, op, step and the ranks that did not arrive."""
@@ -408,7 +293,7 @@ def _timeout_error(
         head += f"failed ({type(cause).__name__}: {first})"
     peers = [r for r in call.ranks if r != topo.rank]
     try:
-        store = _store()
+        store = default_store()
         info = _request(topo, store, head)
         records = _records(store, info["n"], peers)
     except (RuntimeError, dist.DistError) as exc:  # the store's host is gone: say so, and what we know
@@ -425,10 +310,10 @@ def _timeout_error(
         begun = record["started"].get(_group_key(call.dims, call.ranks[0]), 0) if record is not None else 0
         if begun > call.seq if missing is None else r not in missing:  # it reached this call (and may have left)
             if same and (same[0]["op"], same[0]["shapes"]) != (call.op, call.shapes):
-                notes.append(f"{_label(topo.layout, r)} arrived with another call: {describe(same[0])}")
+                notes.append(f"{rank_label(topo.layout, r)} arrived with another call: {describe(same[0])}")
             continue
         absent.append(r)
-        notes.append(f"{_label(topo.layout, r)} {_whereabouts(state, record)}")
+        notes.append(f"{rank_label(topo.layout, r)} {_whereabouts(state, record)}")
     if absent:
         text = f"{head}; ranks {absent} did not arrive"
     else:
@@ -467,7 +352,7 @@ def _records(store: dist.Store, n: int, ranks: list[int]) -> dict[int, tuple[str
     waiting = list(ranks)
     while waiting:
         for r in list(waiting):
-            for key, state in ((f"{_PREFIX}/answer/{n}/{r}", "running"), (f"{_PREFIX}/exit/{r}", "exited")):
+            for key, state in ((f"{STORE_PREFIX}/answer/{n}/{r}", "running"), (f"{STORE_PREFIX}/exit/{r}", "exited")):
                 if store.check([key]):
                     out[r] = (state, json.loads(store.get(key)))
                     waiting.remove(r)
@@ -513,16 +398,16 @@ class _Watchdog:
         self.stopped = threading.Event()
         # One store connection per thread: a client serves one request at a time, and the answering thread's
         # connection is blocked on its queue for the life of the run.
-        self.inbox = _store().clone()
+        self.inbox = default_store().clone()
         self.inbox.set_timeout(datetime.timedelta(days=365))
-        self.outbox = _store().clone()
+        self.outbox = default_store().clone()
         self.answer = threading.Thread(target=self._answer, name="meshwise-watchdog", daemon=True)
         self.stall = threading.Thread(target=self._watch_stalls, name="meshwise-stall-check", daemon=True)
         self.answer.start()
         self.stall.start()
 
     def _answer(self) -> None:
-        queue = f"{_PREFIX}/queue/{self.topo.rank}"
+        queue = f"{STORE_PREFIX}/queue/{self.topo.rank}"
         while True:
             try:
                 message = self.inbox.queue_pop(queue, True)
@@ -534,7 +419,7 @@ class _Watchdog:
                 info = json.loads(message)
                 record = _snapshot(self.topo)
                 record["stacks"] = _write_stacks(self.topo, info, record)
-                self.inbox.set(f"{_PREFIX}/answer/{info['n']}/{self.topo.rank}", json.dumps(record))
+                self.inbox.set(f"{STORE_PREFIX}/answer/{info['n']}/{self.topo.rank}", json.dumps(record))
 
     def _watch_stalls(self) -> None:
         limit = self.topo.timeout.total_seconds()
@@ -560,7 +445,7 @@ class _Watchdog:
 
     def stop(self, store: dist.Store) -> None:
         self.stopped.set()
-        store.queue_push(f"{_PREFIX}/queue/{self.topo.rank}", "stop")
+        store.queue_push(f"{STORE_PREFIX}/queue/{self.topo.rank}", "stop")
         # Wait for both threads to end: a daemon thread still returning from the store's C++ code when the
         # interpreter finalizes is killed inside it, and the process aborts ("terminate called without an
         # active exception"). Measured: sys.exit right after the push aborts; after the join it does not.
@@ -571,31 +456,22 @@ class _Watchdog:
 _WATCHDOG: list[_Watchdog | None] = [None]
 
 
-def attach(topo: Topology) -> None:
-    """Start the watchdog for a new topology and, in debug mode, wrap the collectives (called by ``meshwise.init``)."""
+def start(topo: Topology) -> None:
+    """Forget the calls of an earlier topology and, with several ranks, start this one's watchdog threads."""
     _OPEN.clear()
     _SEQ.clear()
     _LAST[0] = None
     if topo.world_size > 1:
         _WATCHDOG[0] = _Watchdog(topo)
-        atexit.register(_at_exit, topo)
-    if topo.debug:
-        _install(topo)
 
 
-def detach(topo: Topology, how: str = "meshwise.shutdown()") -> None:
-    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (``meshwise.shutdown``)."""
-    atexit.unregister(_at_exit)
-    _uninstall()
+def stop(topo: Topology, how: str) -> None:
+    """Leave an exit record saying ``how`` this rank left (read by ranks that wait on it), stop the watchdog."""
     watchdog, _WATCHDOG[0] = _WATCHDOG[0], None
     if watchdog is None:
         return
     record = {**_snapshot(topo, "exited"), "how": how}
     with contextlib.suppress(RuntimeError, ValueError):  # the group or its store may be gone already
-        store = _store()
-        store.set(f"{_PREFIX}/exit/{topo.rank}", json.dumps(record))
+        store = default_store()
+        store.set(f"{STORE_PREFIX}/exit/{topo.rank}", json.dumps(record))
         watchdog.stop(store)
-
-
-def _at_exit(topo: Topology) -> None:
-    detach(topo, "the process exited without meshwise.shutdown()")

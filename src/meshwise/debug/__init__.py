@@ -1,0 +1,39 @@
+"""No silent hangs: the debug base service, just above the topology (layer 2; imported by metrics and the engine).
+
+Collectives that go wrong name their mesh dims, roles, op, step, call site and missing ranks.
+:mod:`meshwise.debug.watchdog` knows what this rank is in (:func:`guarded`) and reports hangs with every
+rank's stacks; :mod:`meshwise.debug.fingerprint` is debug mode, which compares each collective's fingerprint
+across its group before it runs. ``meshwise.init`` calls :func:`attach` and ``meshwise.shutdown``
+:func:`detach`.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from meshwise.debug.fingerprint import COLLECTIVE_OPS, install, uninstall
+from meshwise.debug.watchdog import Call, describe, guarded, start, stop
+from meshwise.topology import Topology
+
+__all__ = ["COLLECTIVE_OPS", "Call", "attach", "describe", "detach", "guarded", "install", "uninstall"]
+
+
+def attach(topo: Topology) -> None:
+    """Start the watchdog for a new topology and, in debug mode, wrap the collectives (called by ``meshwise.init``)."""
+    start(topo)
+    if topo.world_size > 1:
+        atexit.register(_at_exit, topo)
+    if topo.debug:
+        install(topo)
+
+
+def detach(topo: Topology, how: str = "meshwise.shutdown()") -> None:
+    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (``meshwise.shutdown``)."""
+    atexit.unregister(_at_exit)
+    uninstall()
+    stop(topo, how)
+
+
+def _at_exit(topo: Topology) -> None:
+    # A script that ends without meshwise.shutdown() still tells the ranks waiting on it that it has left.
+    detach(topo, "the process exited without meshwise.shutdown()")
