@@ -42,10 +42,10 @@ def _update(metrics, batch) -> None:
 
 
 def _bench(topo, iters: int, rows: int) -> dict:
-    from meshwise.metrics import attach, compute_all
+    from meshwise.metrics import MeshMetric, compute_all
 
     group = topo.group(topo.metric_dims)
-    ours = {k: attach(m, topo, name=k) for k, m in _five().items()}
+    ours = {k: MeshMetric(m, topo, name=k) for k, m in _five().items()}
     naive = _five(process_group=group)
     g = torch.Generator().manual_seed(topo.rank)
     times: dict[str, list[float]] = {"meshwise": [], "sum_only": [], "naive": []}

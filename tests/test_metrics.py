@@ -12,7 +12,7 @@ from torchmetrics.classification import BinaryAUROC, MulticlassAccuracy, Multicl
 from torchmetrics.functional.classification import binary_auroc, multiclass_accuracy, multiclass_f1_score
 
 from meshwise.errors import CollectiveTimeoutError, MetricError
-from meshwise.metrics import MeanLoss, MeshMetric, MetricSyncTimeout, attach, compute_all, filter_rows
+from meshwise.metrics import MeanLoss, MeshMetric, MetricSyncTimeout, compute_all, filter_rows
 from meshwise.testing import CollectiveCounter, run_distributed
 
 
@@ -92,16 +92,16 @@ def _scenarios(topo) -> dict:
     x, labels, scores = _data(10 + dp, n_rows)
     valid = torch.tensor([True, True, False, True, False, True]) if dp == 0 else torch.zeros(3, dtype=torch.bool)
     metrics = {
-        "sum": attach(SumMetric(), topo),
-        "mean": attach(MeanMetric(), topo),
-        "max": attach(MaxMetric(), topo),
-        "min": attach(MinMetric(), topo),
-        "cat": attach(CatMetric(), topo),
-        "rank_mean": attach(RankMean(), topo),
-        "spread": attach(Spread(), topo),
-        "loss": attach(MeanLoss(), topo),
-        "cls": attach(MetricCollection({"acc": MulticlassAccuracy(3), "f1": MulticlassF1Score(3)}), topo),
-        "auroc": attach(BinaryAUROC(), topo),
+        "sum": MeshMetric(SumMetric(), topo),
+        "mean": MeshMetric(MeanMetric(), topo),
+        "max": MeshMetric(MaxMetric(), topo),
+        "min": MeshMetric(MinMetric(), topo),
+        "cat": MeshMetric(CatMetric(), topo),
+        "rank_mean": MeshMetric(RankMean(), topo),
+        "spread": MeshMetric(Spread(), topo),
+        "loss": MeshMetric(MeanLoss(), topo),
+        "cls": MeshMetric(MetricCollection({"acc": MulticlassAccuracy(3), "f1": MulticlassF1Score(3)}), topo),
+        "auroc": MeshMetric(BinaryAUROC(), topo),
     }
     for name in ("sum", "mean", "max", "min", "cat", "spread", "loss"):
         metrics[name].update(x, valid=valid)
@@ -160,7 +160,7 @@ def _scenarios(topo) -> dict:
             compute_groups=False,
         )
 
-    ours, naive = attach(collection(), topo), collection(process_group=group)
+    ours, naive = MeshMetric(collection(), topo), collection(process_group=group)
     ours_x, ours_y = logits, labels
     with torch.no_grad():
         ours.metric["acc"].update(ours_x, ours_y)
@@ -178,12 +178,12 @@ def _scenarios(topo) -> dict:
     out["last_collectives"] = ours.last_collectives
 
     # a list state torchmetrics alone can merge: synced by torchmetrics over the metric group, not the world
-    fallback = attach(ListOfSums(), topo)
+    fallback = MeshMetric(ListOfSums(), topo)
     fallback.update(torch.tensor([float(dp + 1)]))
     out["fallback"] = fallback.compute().item()
 
     # bad input
-    m = attach(SumMetric(), topo)
+    m = MeshMetric(SumMetric(), topo)
     out["err_mask_2d"] = _raises(m.update, torch.ones(4), valid=torch.ones(4, 1, dtype=torch.bool))
     out["err_mask_len"] = _raises(m.update, torch.ones(4), valid=torch.ones(3, dtype=torch.bool))
     out["err_replica_dims"] = _raises(MeshMetric, SumMetric(), topo, dims=("dp", "tp"))
@@ -196,8 +196,8 @@ def _scenarios(topo) -> dict:
 
     # replica check: tp rank 1 sees other outputs than tp rank 0
     tp = topo.coordinate("tp")
-    checked = attach(SumMetric(), topo, replica_check=True)
-    unchecked = attach(SumMetric(), topo)
+    checked = MeshMetric(SumMetric(), topo, replica_check=True)
+    unchecked = MeshMetric(SumMetric(), topo)
     for m in (checked, unchecked):
         m.update(torch.ones(3) * (1 + tp))
     out["replica_error"] = _raises(checked.compute)
@@ -209,12 +209,12 @@ def _scenarios(topo) -> dict:
         out["replica_env_error"] = _raises(unchecked.compute)
     finally:
         topo.debug = False
-    agreeing = attach(SumMetric(), topo, replica_check=True)
+    agreeing = MeshMetric(SumMetric(), topo, replica_check=True)
     agreeing.update(torch.ones(2))
     out["replica_ok"] = agreeing.compute().item()
 
     # rank 2 skips compute(): its dp partner (rank 0) gets an error naming the group, not a hang
-    late = attach(SumMetric(), topo)
+    late = MeshMetric(SumMetric(), topo)
     late.update(torch.ones(1))
     start = time.monotonic()
     out["skip"] = None
@@ -273,8 +273,8 @@ def test_mesh_metrics_fuse_mask_check_and_fail_loudly():
 
 
 def _stages(topo) -> dict:
-    broadcast = attach(SumMetric(), topo)
-    silent = attach(SumMetric(), topo, stage_result="none")
+    broadcast = MeshMetric(SumMetric(), topo)
+    silent = MeshMetric(SumMetric(), topo, stage_result="none")
     for m in (broadcast, silent):  # only the last stage holds outputs; the update is a no-op elsewhere
         m.update(torch.ones(3) * (topo.coordinate("dp") + 1) * (1 if topo.is_last_stage else 100))
     with CollectiveCounter() as calls:
@@ -291,6 +291,28 @@ def test_only_the_last_stage_syncs_and_the_others_receive():
             assert out["calls"] == ["all_reduce", "broadcast_object_list"] and out["silent"] == 9.0
         else:
             assert out["calls"] == ["broadcast_object_list"] and out["silent"] is None
+
+
+def _split_inputs(topo) -> dict:
+    parts = MeshMetric(SumMetric(), topo)  # default: each split rank holds its part of the samples
+    whole = MeshMetric(SumMetric(), topo, split_inputs="whole")  # every split rank holds the whole samples
+    for m in (parts, whole):
+        m.update(torch.tensor([float(topo.rank + 1)]))
+    return {
+        "parts": parts.compute().item(),
+        "whole": whole.compute().item(),
+        "bad": _raises(MeshMetric, SumMetric(), topo, split_inputs="leader"),
+        "repr": repr(whole),
+    }
+
+
+def test_split_inputs_parts_add_up_and_whole_counts_once():
+    results = run_distributed(_split_inputs, 4, mesh={"dp": 2, "cp": 2}, timeout=60)  # cp=1: ranks 1 and 3
+    for out in results:
+        assert out["parts"] == 1 + 2 + 3 + 4  # every rank's part
+        assert out["whole"] == 1 + 3  # split coordinate 0 only: ranks 0 and 2
+        assert "split_inputs" in out["bad"] and "'parts'" in out["bad"] and "'whole'" in out["bad"], out["bad"]
+        assert "'leader'" in out["bad"] and "split_inputs='whole'" in out["repr"]
 
 
 def test_filter_rows_and_mean_loss_in_one_process():
