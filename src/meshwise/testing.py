@@ -21,6 +21,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+__all__ = ["CollectiveCounter", "DistributedFailure", "free_port", "run_command", "run_distributed"]
+
 # What most ranks import: loaded once in the forkserver instead of once per rank. Missing packages are
 # skipped (ImportError); only finished modules belong here, since any other error stops the forkserver.
 _PRELOAD = [
@@ -194,44 +196,50 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
-    outputs: dict[int, Any] = {}
-    labels: dict[int, str] = {}
-    failure: tuple[int, str, str] | None = None
-    deadline = time.monotonic() + timeout
     try:
-        while len(outputs) < nprocs and failure is None:
-            try:
-                rank, status, label, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
-                if dead:
-                    time.sleep(0.5)  # a dying rank may still have its traceback in the queue
-                    try:
-                        rank, status, label, payload = results.get(timeout=0.5)
-                    except queue.Empty:
-                        r = dead[0]
-                        failure = (r, f"rank {r}", f"process died with exit code {procs[r].exitcode}")
-                        break
-                elif time.monotonic() > deadline:
-                    missing = [r for r in range(nprocs) if r not in outputs]
-                    raise DistributedFailure(
-                        f"ranks {missing} of {nprocs} did not finish within {timeout:.0f}s "
-                        f"(finished: {sorted(labels.values())}); all processes were killed"
-                    ) from None
-                continue
-            labels[rank] = label
-            if status == "ok":
-                outputs[rank] = pickle.loads(payload)
-            else:
-                failure = (rank, label, payload)
-        if failure is not None:
-            rank, label, text = failure
-            raise DistributedFailure(f"{label} of {nprocs} failed:\n{text}")
-        return [outputs[r] for r in range(nprocs)]
+        return _collect(procs, results, timeout)
     finally:
         _reap(procs)
         results.close()
         del store
+
+
+def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
+    """Each rank's return value, by rank; the first failing, dead or late rank raises :class:`DistributedFailure`."""
+    nprocs = len(procs)
+    outputs: dict[int, Any] = {}
+    labels: dict[int, str] = {}
+    failure: tuple[int, str, str] | None = None
+    deadline = time.monotonic() + timeout
+    while len(outputs) < nprocs and failure is None:
+        try:
+            rank, status, label, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+            if dead:
+                time.sleep(0.5)  # a dying rank may still have its traceback in the queue
+                try:
+                    rank, status, label, payload = results.get(timeout=0.5)
+                except queue.Empty:
+                    r = dead[0]
+                    failure = (r, f"rank {r}", f"process died with exit code {procs[r].exitcode}")
+                    break
+            elif time.monotonic() > deadline:
+                missing = [r for r in range(nprocs) if r not in outputs]
+                raise DistributedFailure(
+                    f"ranks {missing} of {nprocs} did not finish within {timeout:.0f}s "
+                    f"(finished: {sorted(labels.values())}); all processes were killed"
+                ) from None
+            continue
+        labels[rank] = label
+        if status == "ok":
+            outputs[rank] = pickle.loads(payload)
+        else:
+            failure = (rank, label, payload)
+    if failure is not None:
+        rank, label, text = failure
+        raise DistributedFailure(f"{label} of {nprocs} failed:\n{text}")
+    return [outputs[r] for r in range(nprocs)]
 
 
 def _reap(procs: Sequence[Any]) -> None:
