@@ -81,8 +81,8 @@ class Call:
             self.finished_at = (f.f_code.co_filename, f.f_lineno, f.f_code.co_name)
 
     def site(self) -> str:
-        """``metrics.py:484 in _fused_sync, from train.py:88 in main``: where the call was made, and the user's line
-        that led there when the call itself is inside a library (meshwise, torch, ignite, ...)."""
+        """``metrics/sync.py:186 in _fused_sync, from train.py:88 in main``: where the call was made, and the
+        user's line that led there when the call itself is inside a library (meshwise, torch, ignite, ...)."""
         f = self.frame
         if f is None:
             if self.finished_at is None:
