@@ -1,6 +1,7 @@
 """Autograd-aware halo exchange: pad a tile of a field sharded over a ``split`` dim with its neighbours' edge cells.
 
-Used for domain-parallel convolution, because DTensor's sharded convolution is wrong on torch 2.13 (PITFALLS.md).
+Used for domain-parallel convolution, because DTensor's sharded convolution is wrong on torch 2.13
+(docs/torch.md, "Sharded convolution").
 """
 
 from __future__ import annotations
