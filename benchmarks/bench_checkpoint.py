@@ -118,8 +118,7 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
     def settle() -> None:
         """No deletion of an older checkpoint left running (meshwise prunes in background threads)."""
         for ckpt in (sync, asyn):
-            for thread in ckpt._reapers:
-                thread.join()
+            ckpt.folder.join_deletions()
 
     def plain_save(rep: int) -> None:
         _quiet()

@@ -402,3 +402,39 @@ def test_a_root_that_differs_between_ranks_is_refused(tmp_path):
     for message in messages:
         assert message is not None and "differs between ranks" in message and "rank-1" in message
     assert not any(tmp_path.iterdir())  # nothing was written
+
+
+def _evaluate_then_save(topo, root: str) -> dict:
+    from ignite.engine import Engine
+
+    import meshwise
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = meshwise.parallelize(cc.MLP(), topo)  # FSDP2 over dp
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def evaluate(model: torch.nn.Module) -> None:
+        def step(engine, batch):
+            with torch.no_grad():  # forward only: FSDP2 leaves the root unsharded
+                return model(batch)
+
+        Engine(step).run([x[:8], x[8:16]], max_epochs=1)
+
+    x, y = cc.dataset()
+    model, opt = build(1234)
+    torch.nn.functional.mse_loss(model(x[:8]), y[:8]).backward()
+    opt.step()
+    evaluate(model)
+    ck = meshwise.Checkpointer(root, topo)
+    ck.save(1, model=model, optimizer=opt)
+    fresh, fresh_opt = build(99)
+    evaluate(fresh)
+    info = ck.load(1, model=fresh, optimizer=fresh_opt)
+    ck.close()
+    return {"diff": cc.max_diff(cc.full_state(fresh, fresh_opt), cc.full_state(model, opt)), "step": info.step}
+
+
+def test_save_and_load_after_an_evaluation_without_backward(tmp_path):
+    for r in run_distributed(_evaluate_then_save, 2, str(tmp_path / "ckpt"), mesh={"dp": 2}):
+        assert r == {"diff": 0.0, "step": 1}

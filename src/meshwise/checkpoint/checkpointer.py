@@ -1,0 +1,568 @@
+"""The front object of checkpoints: save, async save and load of a whole training state on every rank.
+
+:class:`Checkpointer` runs the collectives around the on-disk protocol (``protocol``), what is saved
+(``state``) and the checks before a load (``validation``): rank 0 decides, every rank hears its answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, OBJECTS_DIR, RNG_DIR, CheckpointFolder
+from meshwise.checkpoint.state import (
+    apply_dcp_state,
+    classify,
+    dcp_state,
+    digest,
+    load_object,
+    optimizer_owners,
+    rederive_rng,
+    rng_state,
+    set_rng_state,
+    warn_differences,
+    write_files,
+)
+from meshwise.checkpoint.validation import check_keys, read_record
+from meshwise.errors import CheckpointError, MeshwiseError
+from meshwise.topology import Topology, resolve
+
+__all__ = ["CheckpointInfo", "Checkpointer"]
+
+_log = logging.getLogger("meshwise.checkpoint")
+
+
+@dataclass
+class CheckpointInfo:
+    """What :meth:`Checkpointer.load` restored, and how."""
+
+    step: int
+    path: str
+    metadata: dict[str, Any]
+    objects: list[str]
+    resharded: bool  # saved at another mesh (dims or sizes): DCP resharded model and optimizer
+    saved_mesh: dict[str, int]
+    mesh: dict[str, int]
+    rng: str  # "restored", "re-derived" or "not restored"
+    message: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _mesh_text(dims: Mapping[str, int]) -> str:
+    return " x ".join(f"{d}={s}" for d, s in dims.items()) or "-"
+
+
+def _meshwise_version() -> str:
+    try:
+        from meshwise import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def _check_options(keep_last: Any, keep_best: Any, score: Any, mode: Any) -> None:
+    for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{name} must be a positive int or None, got {value!r}")
+    if keep_best is not None and score is None:
+        raise CheckpointError("keep_best needs score=: a metric name (engine.state.metrics key) or a callable")
+    if score is not None and not (isinstance(score, str) or callable(score)):
+        raise CheckpointError(f"score must be a metric name or a callable returning a float, got {score!r}")
+    if mode not in ("max", "min"):
+        raise CheckpointError(f"mode must be 'max' (higher score is better) or 'min', got {mode!r}")
+
+
+class Checkpointer:
+    """Save and load a whole training state on every rank of a topology; see docs/checkpoint.md.
+
+    ``root`` holds ``step-N/`` folders, a ``latest`` pointer and a marker file. ``keep_last`` keeps the
+    N most recent checkpoints, ``keep_best`` the N best by ``score`` (a metric name looked up in the
+    ``state.metrics`` of an ignite Engine passed to :meth:`save`, or a callable returning a float;
+    ``mode="max"`` or ``"min"``); the newest and the best checkpoint are never deleted. With
+    ``async_save=True`` files are written in a background thread (DCP async save on a dedicated gloo
+    group); the checkpoint is renamed into place and ``latest`` moved by that thread once every rank
+    finished, and the next :meth:`save`, :meth:`load`, :meth:`wait` or :meth:`close` waits for it.
+    ``rng_seed`` seeds the RNG streams re-derived when a checkpoint is loaded at another mesh. ``folder`` is
+    the :class:`~meshwise.checkpoint.protocol.CheckpointFolder` of ``root``. Rank 0
+    logs what each load restored to the ``meshwise.checkpoint`` logger, at INFO (DEBUG with ``verbose=False``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        topology: Topology | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        score: str | Callable[[], float] | None = None,
+        mode: str = "max",
+        async_save: bool = False,
+        rng_seed: int = 0,
+        verbose: bool = True,
+    ) -> None:
+        topo = resolve(topology)
+        _check_options(keep_last, keep_best, score, mode)
+        self.root = Path(root)
+        self.topology = topo
+        self._check_same_root()
+        # the on-disk protocol of root (layout, commit, retention); public for tools that wait on its deletions
+        self.folder = CheckpointFolder(self.root, keep_last=keep_last, keep_best=keep_best, mode=mode)
+        self.score = score
+        self.async_save = bool(async_save)
+        self.rng_seed = int(rng_seed)
+        self.verbose = verbose
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._last_saved: int | None = None
+        self._group = None
+        self._stager: Any = None
+        if self.async_save and dist.is_initialized():
+            # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
+            # The timeout is explicit: a new group does not inherit it (docs/torch.md, "Timeouts and new groups").
+            self._group = dist.new_group(backend="gloo", timeout=topo.timeout)
+
+    def _check_same_root(self) -> None:
+        # One checkpoint is written by every rank together: a per-rank path (a tempfile, a rank in the name)
+        # would leave shards and commit markers in folders no rank could ever load from.
+        if self.topology.world_size <= 1:
+            return
+        roots: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(roots, str(self.root.absolute()))
+        if len(set(roots)) > 1:
+            listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(roots))
+            raise CheckpointError(
+                f"the Checkpointer root differs between ranks ({listing}): pass the same path on every rank "
+                "(on several nodes, a shared file system)"
+            )
+
+    @property
+    def keep_last(self) -> int | None:
+        return self.folder.keep_last
+
+    @property
+    def keep_best(self) -> int | None:
+        return self.folder.keep_best
+
+    @property
+    def mode(self) -> str:
+        return self.folder.mode
+
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of this Checkpointer's last :meth:`save` or :meth:`load`; None before either."""
+        return self._last_saved
+
+    # ------------------------------------------------------------------ collectives
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 and give every rank its result; an error there is raised on every rank."""
+        result: list[Any] = [None]
+        if self.topology.rank == 0:
+            try:
+                self._join()
+                error = self.folder.take_error()
+                if error is not None:
+                    raise error
+                result = [("ok", fn())]
+            except MeshwiseError as exc:
+                result = [("error", type(exc).__name__, str(exc))]
+            except Exception as exc:  # noqa: BLE001 - must reach the other ranks or they hang
+                result = [("error", "CheckpointError", f"{type(exc).__name__}: {exc}")]
+        if self.topology.world_size > 1:
+            dist.broadcast_object_list(result, src=0)
+        out = result[0]
+        if out[0] == "error":
+            raise CheckpointError(out[2])
+        return out[1]
+
+    def _agree(self, error: str | None, what: str) -> None:
+        """Every rank reports its own error (or None); if any failed, every rank raises."""
+        errors = [error]
+        if self.topology.world_size > 1:
+            errors = [None] * self.topology.world_size
+            dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e]
+        if failed:
+            text = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise CheckpointError(f"{what} failed on {len(failed)} rank(s): {text}")
+
+    # ------------------------------------------------------------------ folder layout
+
+    def step_path(self, step: int) -> Path:
+        """The folder of the committed checkpoint of ``step``."""
+        return self.folder.step_path(step)
+
+    def latest_step(self) -> int | None:
+        """Step of the checkpoint ``latest`` points at, or None when there is none yet (call on all ranks)."""
+        self.wait()
+        return self._on_rank0(self.folder.read_latest)
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints under ``root`` (read locally, no collective)."""
+        return self.folder.steps()
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, **objects: Any) -> Path:
+        """Save ``objects`` as checkpoint ``step`` on every rank; returns the final folder ``root/step-N``.
+
+        nn.Module and Optimizer objects go through DCP (each rank writes its shards); every other object's
+        ``state_dict()`` is written by rank 0 (it must be the same on every rank: a warning names any that
+        differ); each rank's RNG states are written too. With ``async_save`` the call returns once the state
+        is staged in memory, and the folder appears when the background write completed on every rank.
+        """
+        self.wait()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+        kinds = classify(objects)
+        owners = optimizer_owners(objects, kinds)
+        started = time.time()
+        tmp = self.folder.tmp_path(step)
+        self._on_rank0(lambda: self.folder.prepare(step, (OBJECTS_DIR, RNG_DIR)))
+
+        fresh = {n for n, k in kinds.items() if k == "optimizer" and not objects[n].state}
+        use_dcp = any(k in ("module", "optimizer") and n not in fresh for n, k in kinds.items())
+        # an async save writes the small files in its background thread
+        local, small, score = self._stage_small(tmp, objects, kinds, write_now=not (self.async_save and use_dcp))
+        meta = self._record(step, started, kinds, owners, fresh, score, use_dcp)
+        state = dcp_state(objects, kinds, owners, skip=fresh)
+        if self.async_save and use_dcp:
+            self._start_async(step, tmp, state, meta, local, small)
+        else:
+            self._save_now(step, tmp, state, meta, local)
+        self._last_saved = step
+        return self.step_path(step)
+
+    def _stage_small(
+        self, tmp: Path, objects: Mapping[str, Any], kinds: Mapping[str, str], *, write_now: bool
+    ) -> tuple[dict[str, Any], dict[Path, Any], float | None]:
+        """This rank's RNG states and (rank 0) the other objects' states, as files to write; also the score.
+
+        Returns this rank's report for the commit (its error, the digests of its objects' states, compared
+        there across ranks), the files not yet written, and the score (rank 0).
+        """
+        rank = self.topology.rank
+        error = None
+        digests: dict[str, str | None] = {}
+        small: dict[Path, Any] = {}
+        score = None
+        try:
+            small[tmp / RNG_DIR / f"rank-{rank:05d}.pt"] = rng_state(self.topology.device)
+            for name, kind in kinds.items():
+                if kind != "state":
+                    continue
+                sd = objects[name].state_dict()
+                digests[name] = digest(sd)
+                if rank == 0:
+                    small[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
+            score = self._score_value(objects) if rank == 0 else None
+        except Exception as exc:  # noqa: BLE001 - reported at the commit, so async saves do not wait here
+            error = f"{type(exc).__name__}: {exc}"
+        if error is None and write_now:
+            error = write_files(small)
+            small = {}
+        return {"error": error, "digests": digests}, small, score
+
+    def _score_value(self, objects: Mapping[str, Any]) -> float | None:
+        if self.score is None:
+            return None
+        if callable(self.score):
+            value = self.score()
+        else:
+            value = None
+            for obj in objects.values():
+                metrics = getattr(getattr(obj, "state", None), "metrics", None)
+                if isinstance(metrics, Mapping) and self.score in metrics:
+                    value = metrics[self.score]
+                    break
+            if value is None:
+                return None  # no score yet (e.g. before the first evaluation): not a candidate for best
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise CheckpointError(f"score {self.score!r} gave {value!r}, not a number") from None
+
+    def _record(
+        self,
+        step: int,
+        started: float,
+        kinds: Mapping[str, str],
+        owners: Mapping[str, str],
+        fresh: set[str],
+        score: float | None,
+        use_dcp: bool,
+    ) -> dict[str, Any]:
+        """The metadata record of a checkpoint (``meshwise.json``)."""
+        topo = self.topology
+        return {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": step,
+            "time": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(),
+            "unix_time": started,
+            "mesh": {"dims": list(topo.dims), "sizes": [topo.sizes[d] for d in topo.dims], "roles": topo.roles},
+            "world_size": topo.world_size,
+            "backend": topo.backend,
+            "torch": torch.__version__,
+            "meshwise": _meshwise_version(),
+            "objects": {
+                n: {"kind": k, **({"module": owners[n], "fresh": n in fresh} if k == "optimizer" else {})}
+                for n, k in kinds.items()
+            },
+            "score": score,
+            "score_name": self.score if isinstance(self.score, str) else None,
+            "rng_seed": self.rng_seed,
+            "dcp": use_dcp,
+        }
+
+    def _save_now(self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        if meta["dcp"]:
+            try:
+                dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=False))
+            except Exception as exc:
+                raise CheckpointError(f"saving {tmp} failed: {exc}. 'latest' is untouched") from exc
+        self._commit(step, tmp, meta, local, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
+
+    def _start_async(
+        self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict, small: dict[Path, Any]
+    ) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            if self._stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                # one stager for every save: it keeps its CPU buffers, so staging is a copy, not an allocation
+                self._stager = DefaultStager(StagingOptions(False, False, False, False))
+            future = dcp.async_save(state, checkpoint_id=str(tmp), async_stager=self._stager, process_group=self._group)
+        except Exception as exc:
+            raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
+        self._pending = threading.Thread(
+            target=self._finish_async, args=(future, step, tmp, meta, local, small), name=f"meshwise-ckpt-{step}"
+        )
+        self._pending.start()
+
+    def _finish_async(
+        self, future: Any, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], small: dict[Path, Any]
+    ) -> None:
+        try:
+            if local["error"] is None:
+                local["error"] = write_files(small)
+            try:
+                future.result()
+            except Exception as exc:
+                raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
+            self._commit(step, tmp, meta, local, group=self._group, defer=False)  # DCP already synced its files
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
+            self._pending_error = exc
+
+    def _commit(
+        self, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], group: Any, *, defer: bool
+    ) -> None:
+        """After every rank wrote its part, rank 0 writes the metadata and renames ``step-N.tmp`` to ``step-N``.
+
+        Then ``latest`` moves, once the files are on disk (fsync), and old checkpoints are pruned; with
+        ``defer`` that second half runs in a thread of rank 0 (see :meth:`CheckpointFolder.publish`).
+        """
+        rank, world = self.topology.rank, self.topology.world_size
+        reports = [local]
+        if world > 1:
+            reports = [None] * world
+            try:  # the barrier: every rank reports that its files are written (or why not)
+                dist.all_gather_object(reports, local, group=group)
+            except Exception as exc:  # noqa: BLE001
+                raise CheckpointError(
+                    f"saving checkpoint step {step} into {tmp}: not every rank arrived within "
+                    f"{self.topology.timeout.total_seconds():.0f}s ({exc}); a rank died or is stuck. The previous "
+                    "checkpoint and 'latest' are untouched"
+                ) from exc
+        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
+        if failed:
+            text = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise CheckpointError(f"writing {tmp} failed on {len(failed)} rank(s): {text}. 'latest' is untouched")
+        error = None
+        if rank == 0:
+            warn_differences(reports)
+            try:
+                self.folder.publish(step, tmp, json.dumps(meta, indent=1) + "\n", defer=defer)
+            except Exception as exc:  # noqa: BLE001
+                error = f"{type(exc).__name__}: {exc}"
+        if world > 1:
+            gathered = [error]
+            dist.broadcast_object_list(gathered, src=0, group=group)
+            error = gathered[0]
+        if error:
+            raise CheckpointError(f"committing checkpoint step {step} under {self.root} failed on rank 0: {error}")
+
+    # ------------------------------------------------------------------ waiting
+
+    def _join(self) -> None:
+        """Wait for this rank's background work of the previous save (async write, or rank 0's finalizer)."""
+        thread, self._pending = self._pending, None
+        if thread is not None:
+            thread.join()
+        self.folder.join()
+
+    def wait(self) -> None:
+        """Wait for a pending async save to be written and committed; raises its error, if any.
+
+        Rank 0's error of a deferred ``latest`` update is raised on every rank by the next save/load/close.
+        """
+        self._join()
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            if isinstance(error, MeshwiseError):
+                raise error
+            raise CheckpointError(f"async checkpoint failed: {type(error).__name__}: {error}") from error
+
+    def close(self) -> None:
+        """Wait for a pending async save (and old folders being deleted); call before ``meshwise.shutdown()``."""
+        self.wait()
+        self._on_rank0(lambda: None)  # raises, on every rank, an error rank 0 had finishing the last save
+        self.folder.join_deletions()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if exc[0] is None:
+            self.close()
+
+    # ------------------------------------------------------------------ load
+
+    def load(self, step: int | str = "latest", *, restore_rng: bool = True, **objects: Any) -> CheckpointInfo:
+        """Load checkpoint ``step`` (an int or ``"latest"``) into ``objects`` on every rank.
+
+        Files and keys are checked before anything is loaded; a mismatch raises :class:`CheckpointError`
+        naming the file. At the mesh it was saved at, each rank's RNG states are restored; at another mesh
+        DCP reshards model and optimizer and the RNG streams are re-derived from ``rng_seed``, the step and
+        the data rank (ranks holding the same samples share a stream). Rank 0 logs what was resharded.
+        Objects other than modules and optimizers get their saved ``state_dict()`` through ``load_state_dict``.
+        """
+        self.wait()
+        kinds = classify(objects)
+        owners = optimizer_owners(objects, kinds)
+        number, path_text, meta = self._on_rank0(lambda: self._validate(step, kinds))
+        path = Path(path_text)
+        saved_mesh = dict(zip(meta["mesh"]["dims"], meta["mesh"]["sizes"]))
+        mesh = dict(self.topology.sizes)
+        same_mesh = saved_mesh == mesh and meta.get("world_size") == self.topology.world_size
+        dcp_names = self._load_dcp(path, meta, objects, kinds, owners)
+        for name, kind in kinds.items():
+            if kind == "state":
+                load_object(name, objects[name], path / OBJECTS_DIR / f"{name}.pt")
+        rng = "not restored"
+        if restore_rng:
+            rng = self._restore_rng(path, meta, number, same_mesh)
+        if same_mesh:
+            message = (
+                f"meshwise checkpoint: loaded step-{number} from {self.root} at the mesh it was saved at "
+                f"({_mesh_text(mesh)})"
+            )
+        else:
+            message = self._reshard_message(number, meta, saved_mesh, dcp_names, kinds, rng)
+        if self.topology.rank == 0:
+            _log.log(logging.INFO if self.verbose else logging.DEBUG, message)
+        self._last_saved = number
+        return CheckpointInfo(
+            step=number,
+            path=str(path),
+            metadata=meta,
+            objects=list(kinds),
+            resharded=not same_mesh,
+            saved_mesh=saved_mesh,
+            mesh=mesh,
+            rng=rng,
+            message=message,
+        )
+
+    def _validate(self, step: int | str, kinds: Mapping[str, str]) -> tuple[int, str, dict[str, Any]]:
+        """Rank 0: find the folder, read the metadata, check every file the objects need."""
+        number, path = self.folder.find(step)
+        return number, str(path), read_record(path, kinds)
+
+    def _load_dcp(
+        self,
+        path: Path,
+        meta: Mapping[str, Any],
+        objects: Mapping[str, Any],
+        kinds: Mapping[str, str],
+        owners: Mapping[str, str],
+    ) -> list[str]:
+        """Load the modules and optimizers through DCP (resharding them); returns their names."""
+        saved_fresh = {n for n in kinds if kinds[n] == "optimizer" and meta["objects"][n].get("fresh")}
+        names = [n for n, k in kinds.items() if k in ("module", "optimizer") and n not in saved_fresh]
+        if names:
+            was_empty = {n for n in names if kinds[n] == "optimizer" and not objects[n].state}
+            state = dcp_state(objects, kinds, owners, skip=set(kinds) - set(names))
+            try:
+                self._on_rank0(lambda: check_keys(path, state))
+            except CheckpointError:
+                for n in was_empty:
+                    objects[n].state.clear()  # get_optimizer_state_dict initialised it; leave it as it was
+                raise
+            import torch.distributed.checkpoint as dcp
+
+            try:
+                dcp.load(state, checkpoint_id=str(path))
+            except Exception as exc:
+                raise CheckpointError(f"reading {path} failed: {exc}") from exc
+            apply_dcp_state(objects, kinds, owners, names, state)
+        for n in saved_fresh:
+            objects[n].state.clear()  # saved before its first step: it had no state
+        return names
+
+    def _restore_rng(self, path: Path, meta: Mapping[str, Any], step: int, same_mesh: bool) -> str:
+        """Restore each rank's RNG states at the same mesh, else re-derive them per data rank; says which."""
+        if not same_mesh:
+            rederive_rng(int(meta.get("rng_seed", self.rng_seed)), step, self.topology.data_rank)
+            return "re-derived"
+        file = path / RNG_DIR / f"rank-{self.topology.rank:05d}.pt"
+        error = None
+        try:
+            set_rng_state(torch.load(file, weights_only=False), self.topology.device)
+        except Exception as exc:  # noqa: BLE001
+            error = f"{file}: {type(exc).__name__}: {exc}"
+        self._agree(error, "restoring the RNG states")
+        return "restored"
+
+    def _reshard_message(
+        self,
+        step: int,
+        meta: Mapping[str, Any],
+        saved_mesh: Mapping[str, int],
+        dcp_names: list[str],
+        kinds: Mapping[str, str],
+        rng: str,
+    ) -> str:
+        parts = [
+            f"meshwise checkpoint: loaded step-{step} from {self.root}, resharded from mesh {_mesh_text(saved_mesh)} "
+            f"(world {meta.get('world_size')}) to {_mesh_text(self.topology.sizes)} (world {self.topology.world_size})"
+        ]
+        if dcp_names:
+            parts.append(f"DCP resharded {', '.join(dcp_names)}")
+        others = [n for n, k in kinds.items() if k == "state"]
+        if others:
+            parts.append(f"{', '.join(others)} loaded from rank 0's global copy")
+        if rng == "re-derived":
+            parts.append("RNG streams re-derived from rng_seed + step + data rank")
+        return "; ".join(parts)

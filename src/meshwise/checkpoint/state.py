@@ -1,0 +1,214 @@
+"""What a checkpoint holds, and how each kind of object is taken from and put back into memory.
+
+Modules and optimizers go through DCP (each optimizer paired with the module whose parameters it holds);
+every other object's ``state_dict()`` is one global copy written by rank 0 (digests compared across ranks);
+each rank's RNG streams are saved, restored at the same mesh, or re-derived at another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import random
+import warnings
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from meshwise.errors import CheckpointError, MeshwiseError
+from meshwise.parallel.apply import reshard
+
+__all__ = [
+    "apply_dcp_state",
+    "classify",
+    "dcp_state",
+    "derived_seed",
+    "digest",
+    "load_object",
+    "object_kind",
+    "optimizer_owners",
+    "rederive_rng",
+    "rng_state",
+    "set_rng_state",
+    "warn_differences",
+    "write_files",
+]
+
+
+# --------------------------------------------------------------------------- kinds of objects
+
+
+def object_kind(obj: Any) -> str:
+    """``"module"``, ``"optimizer"``, ``"state"`` (has ``state_dict``/``load_state_dict``) or ``""`` (none)."""
+    if isinstance(obj, nn.Module):
+        return "module"
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return "state"
+    return ""
+
+
+def classify(objects: Mapping[str, Any]) -> dict[str, str]:
+    """The kind of each named object; raises for an object that cannot be checkpointed."""
+    kinds = {}
+    for name, obj in objects.items():
+        kind = object_kind(obj)
+        if not kind:
+            raise CheckpointError(
+                f"cannot checkpoint {name}={type(obj).__name__}: pass an nn.Module, an Optimizer, or an object "
+                "with state_dict() and load_state_dict() (wrap plain values in such an object)"
+            )
+        kinds[name] = kind
+    return kinds
+
+
+def optimizer_owners(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, str]:
+    """For each optimizer, the name of the module whose parameters it holds.
+
+    Every module is resharded first: after a forward without backward (an evaluation) FSDP2's root holds
+    unsharded parameters, other objects than the optimizer's (docs/torch.md, "Checkpoints (DCP)"), and the
+    state dicts taken next must see the sharded ones too.
+    """
+    for name, kind in kinds.items():
+        if kind == "module":
+            reshard(objects[name])
+    modules = {n: {id(p) for p in objects[n].parameters()} for n, k in kinds.items() if k == "module"}
+    owners = {}
+    for name, kind in kinds.items():
+        if kind != "optimizer":
+            continue
+        params = {id(p) for g in objects[name].param_groups for p in g["params"]}
+        owner = next((m for m, ids in modules.items() if params <= ids), None)
+        if owner is None:
+            raise CheckpointError(
+                f"optimizer {name!r} holds parameters of no module passed with it: pass its model too, "
+                f"e.g. save(step, model=model, {name}={name})"
+            )
+        owners[name] = owner
+    return owners
+
+
+# --------------------------------------------------------------------------- DCP state of modules and optimizers
+
+
+def dcp_state(
+    objects: Mapping[str, Any], kinds: Mapping[str, str], owners: Mapping[str, str], skip: Collection[str]
+) -> dict[str, Any]:
+    """The DCP state dict of every module and optimizer not in ``skip`` (call :func:`optimizer_owners` first)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {}
+    for name, kind in kinds.items():
+        if name in skip:
+            continue
+        if kind == "module":
+            state[name] = get_model_state_dict(objects[name])
+        elif kind == "optimizer":
+            state[name] = get_optimizer_state_dict(objects[owners[name]], objects[name])
+    return state
+
+
+def apply_dcp_state(
+    objects: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    owners: Mapping[str, str],
+    names: Collection[str],
+    state: Mapping[str, Any],
+) -> None:
+    """Put the loaded DCP ``state`` of ``names`` back: modules first, then the optimizers that hold their params."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    for n in names:
+        if kinds[n] == "module":
+            set_model_state_dict(objects[n], state[n])
+    for n in names:
+        if kinds[n] == "optimizer":
+            set_optimizer_state_dict(objects[owners[n]], objects[n], state[n])
+
+
+# --------------------------------------------------------------------------- RNG streams
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch, numpy and python RNG states (and CUDA's on a CUDA ``device``)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def derived_seed(base: int, step: int, stream: int) -> int:
+    """A 63-bit seed from ``base``, ``step`` and ``stream`` (the data rank): the same on every rank that asks."""
+    hashed = hashlib.sha256(f"meshwise-rng/{base}/{step}/{stream}".encode()).digest()
+    return int.from_bytes(hashed[:8], "little") & ((1 << 63) - 1)
+
+
+def rederive_rng(base: int, step: int, stream: int) -> None:
+    """Seed torch, numpy and python from :func:`derived_seed` (RNG states cannot move to another mesh)."""
+    seed = derived_seed(base, step, stream)
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    random.seed(seed)
+
+
+# --------------------------------------------------------------------------- small objects
+
+
+def digest(state: Any) -> str | None:
+    """A digest of a state dict, to compare it across ranks; None when it cannot be pickled."""
+    try:
+        return hashlib.sha1(pickle.dumps(state, protocol=4)).hexdigest()
+    except Exception:  # noqa: BLE001 - an unpicklable state is simply not checked
+        return None
+
+
+def write_files(files: Mapping[Path, Any]) -> str | None:
+    """``torch.save`` each value to its path; the error as text (reported at the commit), or None."""
+    try:
+        for path, value in files.items():
+            torch.save(value, path)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def warn_differences(reports: list[dict[str, Any]]) -> None:
+    """Warn about objects whose digest differs from rank 0's (``reports[r]["digests"]``): only rank 0's is saved."""
+    for name, mine in reports[0]["digests"].items():
+        differ = [
+            r for r, rep in enumerate(reports) if mine is not None and rep["digests"].get(name) not in (mine, None)
+        ]
+        if differ:
+            warnings.warn(
+                f"meshwise checkpoint: {name}.state_dict() on rank(s) {differ} differs from rank 0's; rank 0's "
+                "copy was saved (objects other than models and optimizers must hold global state)",
+                stacklevel=2,
+            )
+
+
+def load_object(name: str, obj: Any, file: Path) -> None:
+    """Load ``file`` (rank 0's copy of the state of ``name``) into ``obj``; raises naming the file."""
+    try:
+        sd = torch.load(file, weights_only=False)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}): it is damaged") from exc
+    try:
+        obj.load_state_dict(sd)
+    except MeshwiseError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{name}.load_state_dict() rejected {file}: {type(exc).__name__}: {exc}") from exc

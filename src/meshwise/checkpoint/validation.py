@@ -1,0 +1,116 @@
+"""Validation of a checkpoint before anything is loaded from it.
+
+The metadata record, the files each object needs, every DCP shard file (present and long enough), and the keys
+and global shapes the objects expect against the DCP metadata: a damaged or foreign checkpoint raises a
+:class:`CheckpointError` naming the file while the objects are still untouched. Runs on rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshwise.checkpoint.protocol import DCP_META, FORMAT, META, OBJECTS_DIR
+from meshwise.errors import CheckpointError
+
+__all__ = ["check_keys", "check_shards", "read_record"]
+
+
+def read_record(path: Path, kinds: Mapping[str, str]) -> dict[str, Any]:
+    """Read checkpoint ``path``'s metadata and check it holds every object of ``kinds`` (name → kind), whole."""
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{meta_path} is missing: {path} is not a complete meshwise checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{meta_path} is not valid JSON ({exc}): the checkpoint is damaged") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path} is not a meshwise checkpoint record (format {meta.get('format')!r})")
+    saved = meta.get("objects", {})
+    absent = [n for n in kinds if n not in saved]
+    if absent:
+        raise CheckpointError(
+            f"checkpoint {path} has no object(s) {absent}; it holds {sorted(saved)} (see {meta_path})"
+        )
+    wrong = [f"{n} (saved as {saved[n]['kind']}, given a {k})" for n, k in kinds.items() if saved[n]["kind"] != k]
+    if wrong:
+        raise CheckpointError(f"checkpoint {path}: object kinds differ: {', '.join(wrong)}")
+    for n, k in kinds.items():
+        if k == "state" and not (path / OBJECTS_DIR / f"{n}.pt").is_file():
+            raise CheckpointError(f"{path / OBJECTS_DIR / (n + '.pt')} is missing: the checkpoint is incomplete")
+    if meta.get("dcp") and any(k in ("module", "optimizer") for k in kinds.values()):
+        check_shards(path)
+    return meta
+
+
+def check_shards(path: Path) -> None:
+    """Check that the DCP metadata of ``path`` is readable and every shard file it names is there, long enough."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp_meta = path / DCP_META
+    if not dcp_meta.is_file():
+        raise CheckpointError(f"{dcp_meta} (the DCP metadata) is missing: the checkpoint {path} is incomplete")
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{dcp_meta} cannot be read ({type(exc).__name__}: {exc}): it is damaged") from None
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(needed.items()):
+        shard = path / rel
+        if not shard.is_file():
+            raise CheckpointError(f"shard file {shard} is missing: the checkpoint {path} is incomplete")
+        actual = shard.stat().st_size
+        if actual < size:
+            raise CheckpointError(
+                f"shard file {shard} is truncated: {actual} bytes, the DCP metadata needs {size}; "
+                "load an older checkpoint"
+            )
+
+
+def _tensor_shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, torch.Tensor):  # DTensor included: its shape is the global one
+        return tuple(value.shape)
+    return None
+
+
+def _listing(keys: list[str]) -> str:
+    return ", ".join(keys[:12]) + (f", ... ({len(keys)} in all)" if len(keys) > 12 else "")
+
+
+def check_keys(path: Path, state: Mapping[str, Any]) -> None:
+    """Compare the keys and global shapes the DCP ``state`` expects with those the DCP metadata of ``path`` holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    flat, _ = flatten_state_dict(dict(state))
+    prefixes = tuple(f"{n}." for n in state)
+    missing = sorted(k for k in flat if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in flat)
+    shapes = []
+    for k, v in flat.items():
+        shape = _tensor_shape(v)
+        md = saved.get(k)
+        if shape is not None and isinstance(md, TensorStorageMetadata) and tuple(md.size) != shape:
+            shapes.append(f"{k}: saved {list(md.size)}, expected {list(shape)}")
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing keys (expected, not in the checkpoint): {_listing(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys (in the checkpoint, not expected): {_listing(unexpected)}")
+    if shapes:
+        parts.append(f"shape mismatches: {_listing(shapes)}")
+    raise CheckpointError(
+        f"checkpoint {path / DCP_META} is of another model or optimizer: " + "; ".join(parts) + ". "
+        "Build the same model (and optimizer) that was saved, or load only the objects that match"
+    )
