@@ -121,7 +121,8 @@ def train(
     log: str | None = None,
     kill_while_saving: int | None = None,
 ) -> dict[str, Any]:
-    """Train with an ignite Engine; checkpoint every ``every`` iterations (auto-resume from ``latest``).
+    """Train with an ignite Engine; the Checkpointing handler saves every ``every`` iterations and resumes from
+    ``latest``.
 
     Returns what was seen per iteration (epoch, iteration, local indices) and the final full state.
     ``kill_while_saving``: SIGKILL this process while it writes its shard of the checkpoint of that iteration.
@@ -129,6 +130,7 @@ def train(
     from ignite.engine import Engine, Events
 
     import meshwise
+    from meshwise.engine.handlers import Checkpointing
 
     model, optimizer = build(topo)
     loader = CursorBatches(topo)
@@ -159,7 +161,7 @@ def train(
     ckpt = None
     if root is not None:
         ckpt = meshwise.Checkpointer(root, topo, async_save=async_save)
-        ckpt.attach(engine, every_iterations=every, model=model, optimizer=optimizer, loader=loader)
+        Checkpointing(ckpt, every_iterations=every, model=model, optimizer=optimizer, loader=loader).attach(engine)
 
     if kill_while_saving is not None and root is not None:
         own = Path(root) / f"step-{kill_while_saving}.tmp" / f"__{topo.rank}_0.distcp"
