@@ -8,6 +8,8 @@ from pathlib import Path
 
 from meshwise.errors import MeshwiseError
 
+__all__ = ["METRICS_FILE", "plot_run", "read_metrics"]
+
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = {"tag", "step", "epoch", "time"}
 
@@ -17,7 +19,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, list[tu
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         raise MeshwiseError(
-            f"no {METRICS_FILE} in {run_dir}: attach meshwise.handlers.RunLogger(run_dir) to the trainer to write it"
+            f"no {METRICS_FILE} in {run_dir}: attach meshwise.engine.RunLogger(run_dir) to the trainer to write it"
         )
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     with open(path, encoding="utf-8") as f:

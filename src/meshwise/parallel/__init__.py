@@ -1,4 +1,4 @@
-"""Model parallelism over the topology: torch's TP plan and FSDP2 placed by roles, and the halo exchange."""
+"""Model parallelism over the topology: TP plans and FSDP2 placed by roles, global-norm clipping, halo exchange."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Any
 _LAZY = {
     "parallelize": "meshwise.parallel.apply",
     "clip_grad_norm": "meshwise.parallel.apply",
+    "check_data_parallel": "meshwise.parallel.apply",
+    "reshard": "meshwise.parallel.apply",
     "halo_exchange": "meshwise.parallel.halo",
 }
 
@@ -15,6 +17,7 @@ __all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
+    # torch.distributed's tensor-parallel modules load only when a name is first used
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'meshwise.parallel' has no attribute {name!r}")

@@ -14,7 +14,22 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshwise.errors import ParallelError
-from meshwise.topology import Topology
+from meshwise.topology import Topology, resolve
+
+__all__ = [
+    "DP_MODES",
+    "FsdpUnits",
+    "check_data_parallel",
+    "clip_coefficient",
+    "clip_grad_norm",
+    "data_parallel_kind",
+    "dtensor_params",
+    "local_norm_contribution",
+    "norm_from_power",
+    "parallelize",
+    "reshard",
+    "scale_grads",
+]
 
 DP_MODES = ("fsdp", "replicate", "none")
 
@@ -64,8 +79,31 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def _dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
+def dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
+    """``(name, parameter)`` of every DTensor (tensor-parallel) parameter of ``model``."""
     return [(n, p) for n, p in model.named_parameters() if isinstance(p, DTensor)]
+
+
+def check_data_parallel(model: nn.Module) -> str | None:
+    """How ``model`` is data parallel (see :func:`data_parallel_kind`), refusing wrappers that are wrong beside TP.
+
+    Raises :class:`ParallelError` for a ``DistributedDataParallel`` model with tensor-parallel parameters
+    and for legacy composable ``replicate`` (docs/torch.md, "DDP and tensor parallel").
+    """
+    kind = data_parallel_kind(model)
+    if kind == "ddp" and dtensor_params(model):
+        raise ParallelError(
+            "the model is DistributedDataParallel with tensor-parallel parameters, which loses them after the "
+            "first forward (docs/torch.md, 'DDP and tensor parallel'): pass the plain module and build it with "
+            "meshwise.parallelize(model, topo, tp_plan=..., dp='replicate')"
+        )
+    if kind == "legacy-replicate":
+        raise ParallelError(
+            "the model uses torch.distributed._composable.replicate, which gives wrong gradients beside tensor "
+            "parallel (docs/torch.md, 'DDP and tensor parallel'): build a fresh model and use "
+            "meshwise.parallelize(model, topo, dp='replicate') (replicate_with_fsdp) instead"
+        )
+    return kind
 
 
 def _same_mesh(a: Any, b: Any) -> bool:
@@ -132,7 +170,7 @@ def _plan_matches_name(name: str, pattern: str) -> bool:
 
 def parallelize(
     model: nn.Module,
-    topology: Topology,
+    topology: Topology | None = None,
     *,
     tp_plan: Mapping[str, Any] | Callable[[nn.Module], Mapping[str, Any]] | None = None,
     dp: str = "fsdp",
@@ -149,13 +187,16 @@ def parallelize(
     Data parallel spans the batch *and* split dims (flattened): split ranks hold partial gradients of
     the same parameters, so their gradients must be averaged too. Over a single rank no wrapper is added.
     Build the model with full (not sharded) weights, the same on every rank, before calling this.
+    ``topology`` defaults to the current one (:func:`meshwise.topology.resolve`).
     """
+    topology = resolve(topology)
     if not isinstance(model, nn.Module):
         raise ParallelError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
     if dp not in DP_MODES:
         hint = (
             " DDP is not offered: beside tensor parallel it drops DTensor parameters and legacy replicate gives "
-            "wrong gradients (PITFALLS.md); dp='replicate' gives the same all-reduce semantics and composes with TP."
+            "wrong gradients (docs/torch.md, 'DDP and tensor parallel'); dp='replicate' gives the same all-reduce "
+            "semantics and composes with TP."
             if str(dp).lower() in ("ddp", "dp", "data_parallel")
             else ""
         )
@@ -165,16 +206,11 @@ def parallelize(
             f"the mesh has pipeline dim(s) {topology.stage_dims}; parallelize() places one whole model per "
             "stage-free mesh: split the model into stages yourself and parallelize each stage's module"
         )
-    kind = data_parallel_kind(model)
+    kind = check_data_parallel(model)
     if kind == "ddp":
         raise ParallelError(
             "the model is wrapped in DistributedDataParallel: pass the plain module (model.module) and let "
             "parallelize() apply dp='replicate' or 'fsdp' (DDP beside tensor parallel loses DTensor parameters)"
-        )
-    if kind == "legacy-replicate":
-        raise ParallelError(
-            "the model uses torch.distributed._composable.replicate, which gives wrong gradients beside tensor "
-            "parallel: build a fresh model and use dp='replicate' (replicate_with_fsdp) instead"
         )
     if kind is not None:
         raise ParallelError(
@@ -182,7 +218,7 @@ def parallelize(
         )
 
     replica = topology.replica_dims
-    existing = _dtensor_params(model)
+    existing = dtensor_params(model)
     if tp_plan is not None:
         if len(replica) != 1:
             raise ParallelError(
@@ -305,6 +341,11 @@ def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(locals_, factor)
 
 
+def norm_from_power(power: float, norm_type: float) -> float:
+    """The global norm from the world sum of :func:`local_norm_contribution` (for ``inf``: the world max)."""
+    return power if math.isinf(norm_type) else max(power, 0.0) ** (1.0 / norm_type)
+
+
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
     """torch's ``clip_grad_norm_`` rule: ``max_norm / (norm + 1e-6)``, never above 1."""
     return min(1.0, max_norm / (total_norm + 1e-6))
@@ -313,7 +354,7 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 def clip_grad_norm(
     parameters: Iterable[torch.Tensor] | torch.Tensor,
     max_norm: float,
-    topology: Topology,
+    topology: Topology | None = None,
     *,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
@@ -321,9 +362,11 @@ def clip_grad_norm(
     """Clip gradients in place by their global ``norm_type``-norm over the whole topology; returns that norm.
 
     Works on any mix of plain, tensor-parallel and FSDP2 (+TP) gradients (torch's ``clip_grad_norm_``
-    fails on those on 2.13): each shard is counted once however many ranks hold it. Every rank must
-    call it. Plain-tensor gradients are taken to be identical on every rank that holds the parameter.
+    fails on those: docs/torch.md, "Gradient clipping"): each shard is counted once however many ranks
+    hold it. Every rank must call it. Plain-tensor gradients are taken to be identical on every rank that
+    holds the parameter. ``topology`` defaults to the current one.
     """
+    topology = resolve(topology)
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ParallelError(f"norm_type must be positive (or inf), got {norm_type}")
@@ -332,12 +375,11 @@ def clip_grad_norm(
     if topology.world_size > 1:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         dist.all_reduce(value, op=op)
-    total = value if math.isinf(norm_type) else value.pow(1.0 / norm_type)
-    norm = float(total)
+    norm = norm_from_power(float(value), norm_type)
     if error_if_nonfinite and not math.isfinite(norm):
         raise ParallelError(
             f"the global gradient {norm_type}-norm is {norm}: the loss or a gradient is not finite; lower the "
             "learning rate, check the inputs, or pass error_if_nonfinite=False to clip anyway"
         )
     scale_grads(grads, clip_coefficient(norm, float(max_norm)))
-    return total.to(torch.float32)
+    return value.new_tensor(norm, dtype=torch.float32)

@@ -1,0 +1,213 @@
+"""``create_evaluator``: an ignite Engine that runs the forward on every rank and computes exact mesh metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from ignite.engine import Engine, Events
+from torch import nn
+from torchmetrics import Metric, MetricCollection
+
+from meshwise.data import MeshSampler
+from meshwise.debug import guarded
+from meshwise.engine.batch import Batch, full_tensors, ready_batch
+from meshwise.errors import MetricError
+from meshwise.metrics import MeshMetric, Select, compute_all
+from meshwise.parallel.apply import reshard
+from meshwise.topology import Topology, resolve
+
+__all__ = ["EvalMetrics", "check_eval_loader", "create_evaluator"]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        return float(value) if value.ndim == 0 else value
+    return value
+
+
+class EvalMetrics:
+    """The metrics of an evaluator: reset at every epoch start, computed with fused syncs at its end.
+
+    ``metrics`` maps names to :class:`~meshwise.metrics.MeshMetric` objects (kept as given: hold your own
+    references to read them later) or plain torchmetrics ``Metric``/``MetricCollection`` objects, wrapped as
+    ``MeshMetric(metric, topology, split_inputs=split_inputs, replica_check=replica_check, name=name)``.
+    :meth:`attach` registers the reset and the compute; at ``EPOCH_COMPLETED`` ``engine.state.metrics``
+    gets the values, the same on every rank: Python floats for scalars, CPU tensors otherwise; a
+    ``MetricCollection`` contributes its own keys. Metrics syncing over the same dims share one sync.
+    """
+
+    def __init__(
+        self,
+        metrics: Mapping[str, Metric | MetricCollection | MeshMetric] | None,
+        topology: Topology | None = None,
+        *,
+        split_inputs: str = "parts",
+        replica_check: bool | None = None,
+    ) -> None:
+        topo = resolve(topology)
+        metrics = {} if metrics is None else metrics
+        if not isinstance(metrics, Mapping):
+            raise MetricError(
+                f"metrics must be a dict name -> torchmetrics Metric/MetricCollection/MeshMetric, got {type(metrics)}"
+            )
+        self.metrics: dict[str, MeshMetric] = {}
+        for name, metric in metrics.items():
+            if isinstance(metric, MeshMetric):
+                if metric.topology is not topo:
+                    raise MetricError(f"metric {name!r} is attached to another topology: attach it to this one")
+                self.metrics[name] = metric
+            elif isinstance(metric, (Metric, MetricCollection)):
+                self.metrics[name] = MeshMetric(
+                    metric, topo, split_inputs=split_inputs, replica_check=replica_check, name=name
+                )
+            else:
+                raise MetricError(
+                    f"metric {name!r} is a {type(metric).__name__}, not a torchmetrics Metric, MetricCollection or "
+                    "MeshMetric: wrap it in a torchmetrics.Metric"
+                )
+        self.groups: dict[tuple[str, ...], list[str]] = {}
+        for name, m in self.metrics.items():
+            self.groups.setdefault(m.dims, []).append(name)
+
+    def attach(self, engine: Engine) -> EvalMetrics:
+        """Reset the metrics at ``EPOCH_STARTED`` and put their values in ``engine.state.metrics`` at its end."""
+        engine.add_event_handler(Events.EPOCH_STARTED, lambda _: self.reset())
+        engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: e.state.metrics.update(self.compute()))
+        return self
+
+    def reset(self) -> None:
+        for m in self.metrics.values():
+            m.reset()
+
+    def update(self, output: Any, batch: Batch, select: Select) -> None:
+        """Update every metric with its ``select(output, batch)`` (a MeshMetric's own ``select`` wins)."""
+        valid = batch.get("valid")
+        for m in self.metrics.values():
+            args = (m.select or select)(output, batch)
+            if not isinstance(args, tuple):
+                args = (args,)
+            m.update(*args, valid=valid)
+
+    def compute(self) -> dict[str, Any]:
+        """Every metric's value by name (one fused sync per group of dims); collection keys are merged in."""
+        out: dict[str, Any] = {}
+        for names in self.groups.values():
+            values = compute_all([self.metrics[n] for n in names])
+            for name, value in zip(names, values):
+                items = value.items() if isinstance(value, Mapping) else [(name, value)]
+                for key, v in items:
+                    if key in out:
+                        raise MetricError(
+                            f"two metrics are named {key!r} (one from collection {name!r}): give the "
+                            "MetricCollection a prefix= or rename the metric"
+                        )
+                    out[key] = _plain(v)
+        return out
+
+
+def check_eval_loader(data: Any) -> None:
+    """Refuse a ``mesh_dataloader(..., mode="train")`` loader: it shuffles and may drop samples."""
+    sampler = getattr(data, "sampler", None)
+    if not isinstance(sampler, MeshSampler) or sampler.mode != "train":
+        return
+    total = sampler.dataset_length
+    seen = len(sampler) * sampler.global_batch_size if sampler.drop_last else total
+    raise MetricError(
+        f"the evaluator got a loader made with mode='train': it would evaluate {min(seen, total)} of {total} "
+        "samples in shuffled order, with the last partial batch dropped; make the evaluation loader with "
+        "mesh_dataloader(..., mode='eval'), which yields every sample exactly once"
+    )
+
+
+class _EvalStep:
+    """The evaluator's process function: forward on every rank under ``no_grad``, then the metric updates."""
+
+    def __init__(
+        self,
+        model: Any,
+        topo: Topology,
+        metrics: EvalMetrics,
+        forward: Callable[[Any, Batch], Any],
+        select: Select,
+        prepare: Callable[[Batch], Batch] | None,
+    ) -> None:
+        self.model, self.topology, self.metrics = model, topo, metrics
+        self.forward, self.select, self.prepare = forward, select, prepare
+
+    def __call__(self, engine: Engine, batch: Batch) -> Any:
+        topo = self.topology
+        # Every rank runs the forward (tensor-parallel collectives inside): a rank that is missing is named.
+        with guarded(topo, topo.dims, "evaluator step", step=engine.state.iteration, region=True):
+            batch = ready_batch(batch, self.prepare, topo.device, "evaluator", MetricError)
+            with torch.no_grad():
+                output = full_tensors(self.forward(self.model, batch))
+                self.metrics.update(output, batch, self.select)
+            return output
+
+
+def create_evaluator(
+    model: nn.Module | Callable[..., Any],
+    topology: Topology | None = None,
+    metrics: Mapping[str, Metric | MetricCollection | MeshMetric] | None = None,
+    *,
+    forward: Callable[[Any, Batch], Any] | None = None,
+    select: Select | None = None,
+    prepare: Callable[[Batch], Batch] | None = None,
+    input_key: str = "input",
+    target_key: str = "target",
+    replica_check: bool | None = None,
+    split_inputs: str = "parts",
+) -> Engine:
+    """An ignite ``Engine`` that evaluates ``model`` on this rank's batches and fills ``engine.state.metrics``.
+
+    Every rank runs the forward on every batch (tensor-parallel layers have collectives inside), in eval
+    mode under ``torch.no_grad()``: ``output = forward(model, batch)`` (default ``model(batch[input_key])``;
+    a DTensor output becomes its full tensor). Each metric then updates with ``select(output, batch)``
+    (default ``(output, batch[target_key])``; a :class:`MeshMetric`'s own ``select`` wins), keeping only the
+    rows where ``batch["valid"]`` is True. The metrics are held by an :class:`EvalMetrics` handler: reset at
+    every epoch start; at ``EPOCH_COMPLETED`` computed with one fused sync over the topology's batch + split
+    dims, and ``engine.state.metrics`` holds the same values on every rank. A plain ``Metric`` or
+    ``MetricCollection`` is wrapped as ``MeshMetric(metric, topology, split_inputs=split_inputs,
+    replica_check=replica_check)``; to read a metric's state after a run, pass your own ``MeshMetric``.
+
+    At ``STARTED`` a loader made with ``mesh_dataloader(..., mode="train")`` is refused with
+    :class:`MetricError` (it shuffles and drops the last partial batch). When the run completes, FSDP2
+    modules are resharded (a forward without backward leaves them gathered) and the model's training mode
+    is restored.
+    """
+    topo = resolve(topology)
+    if not callable(model):
+        raise MetricError(f"create_evaluator() needs a model (nn.Module or callable), got {type(model).__name__}")
+    handler = EvalMetrics(metrics, topo, split_inputs=split_inputs, replica_check=replica_check)
+    step = _EvalStep(
+        model,
+        topo,
+        handler,
+        forward or (lambda m, b: m(b[input_key])),
+        select or (lambda output, batch: (output, batch[target_key])),
+        prepare,
+    )
+    engine = Engine(step)
+    was_training: list[bool] = []
+
+    def started(e: Engine) -> None:
+        check_eval_loader(e.state.dataloader)
+        if isinstance(model, nn.Module):
+            was_training[:] = [model.training]
+            model.eval()
+
+    def completed(_: Engine) -> None:
+        if isinstance(model, nn.Module):
+            # parameters() must again be the tensors the optimizer holds, and a checkpoint taken now
+            # must see the sharded ones.
+            reshard(model)
+            if was_training and was_training[0]:
+                model.train()
+
+    engine.add_event_handler(Events.STARTED, started)
+    handler.attach(engine)
+    engine.add_event_handler(Events.COMPLETED, completed)
+    return engine

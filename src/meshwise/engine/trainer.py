@@ -1,0 +1,282 @@
+"""``create_trainer``: an ignite Engine whose step (a :class:`TrainStep`) trains a model placed on the topology
+like one process would."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ignite.engine import Engine
+from torch import nn
+
+from meshwise.debug import guarded
+from meshwise.engine.batch import Batch, local_value, ready_batch, row_count, split_rows, take_rows
+from meshwise.errors import MeshwiseError, ParallelError
+from meshwise.parallel.apply import (
+    check_data_parallel,
+    clip_coefficient,
+    local_norm_contribution,
+    norm_from_power,
+    scale_grads,
+)
+from meshwise.topology import Topology, resolve
+
+__all__ = ["LossWeight", "TrainStep", "create_trainer"]
+
+LossWeight = str | Callable[[Batch], int | float | torch.Tensor]
+
+
+def _check_options(
+    model: Any, optimizer: Any, accumulation_steps: Any, grad_clip: Any, loss_weight: Any, target_key: Any
+) -> None:
+    if not isinstance(model, nn.Module):
+        raise MeshwiseError(f"create_trainer() needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise MeshwiseError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise MeshwiseError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+        raise MeshwiseError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
+    if not (callable(loss_weight) or loss_weight in ("samples", "tokens")):
+        raise MeshwiseError(f"loss_weight must be 'samples', 'tokens' or a function of the batch, got {loss_weight!r}")
+    if loss_weight == "tokens" and target_key is None:
+        raise MeshwiseError("loss_weight='tokens' counts the elements of batch[target_key]: set target_key")
+
+
+def _check_placement(model: nn.Module, topo: Topology) -> None:
+    if topo.size(topo.stage_dims) > 1:
+        raise ParallelError(
+            f"create_trainer() does not run pipeline stages (mesh dims {topo.stage_dims}): use a mesh without a "
+            "'stage' dim"
+        )
+    kind = check_data_parallel(model)
+    data_parallel = topo.size(topo.metric_dims)
+    if data_parallel > 1 and kind is None:
+        raise ParallelError(
+            f"the model is not data parallel over the metric dims {topo.metric_dims} ({data_parallel} ranks), so "
+            "their gradients would never be averaged: call meshwise.parallelize(model, topo) first"
+        )
+
+
+class TrainStep:
+    """One optimizer step on this rank's local batch, equal to one process's step on the global batch.
+
+    Call it as ignite's process function (``Engine(TrainStep(...))``, which :func:`create_trainer` does):
+    ``step(engine, batch)`` returns the global mean loss and puts ``loss_count`` (and ``grad_norm``, when
+    clipping) in ``engine.state``; :meth:`train` does the same work without an engine. The options are
+    those of :func:`create_trainer`. State kept between steps: ``reference``, the previous step's global
+    count, by which backward scales the loss (see :meth:`train`); ``loss_count`` and ``grad_norm``, the last
+    step's global count and global gradient norm (None before the first step or without clipping).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor],
+        topology: Topology | None = None,
+        *,
+        grad_clip: float | None = None,
+        norm_type: float = 2.0,
+        accumulation_steps: int = 1,
+        loss_weight: LossWeight = "samples",
+        prepare: Callable[[Batch], Batch] | None = None,
+        forward: Callable[[nn.Module, Batch], Any] | None = None,
+        step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+        input_key: str = "input",
+        target_key: str | None = "target",
+    ) -> None:
+        topo = resolve(topology)
+        _check_options(model, optimizer, accumulation_steps, grad_clip, loss_weight, target_key)
+        _check_placement(model, topo)
+        self.model, self.optimizer, self.loss_fn, self.topology = model, optimizer, loss_fn, topo
+        self.max_norm = None if grad_clip is None else float(grad_clip)
+        self.norm_type = norm_type
+        self.accumulation_steps = accumulation_steps
+        self.loss_weight = loss_weight
+        self.prepare = prepare
+        self.forward = forward or (lambda m, b: m(b[input_key]))
+        self.step_context = step_context or contextlib.nullcontext
+        self.input_key, self.target_key = input_key, target_key
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.data_parallel = topo.size(topo.metric_dims)
+        self.metric_group = topo.group(topo.metric_dims) if self.data_parallel > 1 else None
+        # The fused reduction for clipping runs over the world; count and loss are identical on the replica ranks.
+        self.replica_copies = topo.world_size // self.data_parallel
+        self.no_sync = accumulation_steps > 1 and hasattr(model, "set_requires_gradient_sync")
+        self.reference = 1.0
+        self.loss_count: float | None = None
+        self.grad_norm: float | None = None
+
+    def __call__(self, engine: Engine, batch: Batch) -> float:
+        topo = self.topology
+        # Every rank takes part in some collective of a step (FSDP, TP, the loss reduction): if one fails, the
+        # error names the step and the ranks that never started it, e.g. one that left its loop early.
+        with guarded(topo, topo.dims, "trainer step", step=engine.state.iteration, region=True):
+            loss = self.train(batch)
+        engine.state.loss_count = self.loss_count
+        if self.max_norm is not None and self.grad_norm is not None:
+            engine.state.grad_norm = self.grad_norm
+        return loss
+
+    def count_of(self, micro: Batch) -> float:
+        """How many units (samples, tokens, or the user's count) ``micro``'s mean loss is over."""
+        if self.loss_weight == "samples":
+            return float(row_count(micro, self.input_key))
+        if self.loss_weight == "tokens":
+            return float(micro[self.target_key].numel())
+        value = self.loss_weight(micro)
+        return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def train(self, batch: Batch) -> float:
+        """One step on ``batch``; the global mean loss (``nan``, and no step, if the global batch had no valid row).
+
+        Backward runs on ``loss * count * data_parallel / reference``: gradients arrive scaled by
+        (global count / reference), fixed afterwards in the same pass as clipping. The reference is the
+        previous step's global count (the same on every rank), so for steady batches no pass is needed.
+        """
+        if not self.model.training:
+            self.model.train()
+        batch = ready_batch(batch, self.prepare, self.topology.device, "trainer")
+        micros = split_rows(batch, row_count(batch, self.input_key), self.accumulation_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        local_count, loss_sum = 0.0, None
+        for j, micro in enumerate(micros):
+            count, weighted = self.backward(micro, last=j == len(micros) - 1)
+            if count:
+                local_count += count
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted
+        if loss_sum is None:
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.topology.device)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        count, loss_total, norm_power = self.reduce(local_count, loss_sum, grads)
+        if count <= 0:
+            self.loss_count = 0.0
+            return math.nan
+        factor = self.reference / count
+        if self.max_norm is not None:
+            self.grad_norm = norm_from_power(norm_power, self.norm_type) * factor
+            factor *= clip_coefficient(self.grad_norm, self.max_norm)
+        scale_grads(grads, factor)
+        self.reference = count
+        self.optimizer.step()
+        self.loss_count = count
+        return loss_total / count
+
+    def backward(self, micro: Batch, last: bool) -> tuple[float, torch.Tensor | None]:
+        """Forward and backward of one micro-batch; its count and ``count * loss`` (float64), or ``(0, None)``."""
+        n = row_count(micro, self.input_key)
+        valid = micro.get("valid")
+        empty = False
+        if isinstance(valid, torch.Tensor) and not bool(valid.all()):
+            if bool(valid.any()):
+                micro = take_rows(micro, n, valid)
+            else:  # every rank must still run forward/backward (collectives inside); weight 0
+                micro, empty = take_rows(micro, n, slice(0, 1)), True
+        count = 0.0 if empty else self.count_of(micro)
+        if self.no_sync:
+            self.model.set_requires_gradient_sync(last)
+        with self.step_context():
+            output = self.forward(self.model, micro)
+            loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                raise MeshwiseError(
+                    f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
+                    "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
+                )
+            scale = count * self.data_parallel / self.reference
+            (loss if scale == 1.0 else loss * scale).backward()
+        if not count:
+            return 0.0, None
+        return count, local_value(loss).double() * count
+
+    def reduce(
+        self, local_count: float, loss_sum: torch.Tensor, grads: list[torch.Tensor]
+    ) -> tuple[float, float, float | None]:
+        """Global count, global ``Σ count·loss`` and (when clipping) the global norm's power-sum, in one reduction.
+
+        With clipping the three travel in one world all-reduce, each divided by its number of identical
+        copies (:func:`~meshwise.parallel.apply.local_norm_contribution`); ``norm_type=inf`` needs a MAX.
+        """
+        topo, norm_type = self.topology, self.norm_type
+        norm_power = None
+        if self.max_norm is not None and not math.isinf(norm_type):
+            norm_part = local_norm_contribution(grads, topo, norm_type)
+            copies = self.replica_copies
+            vec = torch.stack([loss_sum.new_tensor(local_count) / copies, loss_sum / copies, norm_part])
+            if topo.world_size > 1:
+                dist.all_reduce(vec)
+            count, loss_total, norm_power = vec.tolist()
+            return count, loss_total, norm_power
+        if self.metric_group is not None:
+            vec = torch.stack([loss_sum.new_tensor(local_count), loss_sum])
+            dist.all_reduce(vec, group=self.metric_group)
+            count, loss_total = vec.tolist()
+        else:
+            count, loss_total = local_count, loss_sum.item()
+        if self.max_norm is not None:
+            peak = local_norm_contribution(grads, topo, norm_type)
+            if topo.world_size > 1:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            norm_power = peak.item()
+        return count, loss_total, norm_power
+
+
+def create_trainer(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[..., torch.Tensor],
+    topology: Topology | None = None,
+    *,
+    grad_clip: float | None = None,
+    norm_type: float = 2.0,
+    accumulation_steps: int = 1,
+    loss_weight: LossWeight = "samples",
+    prepare: Callable[[Batch], Batch] | None = None,
+    forward: Callable[[nn.Module, Batch], Any] | None = None,
+    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    input_key: str = "input",
+    target_key: str | None = "target",
+) -> Engine:
+    """An ignite ``Engine`` whose step trains ``model`` on one local batch per iteration, like one process would.
+
+    Each iteration takes this rank's batch (a dict; ``valid`` False rows are excluded), applies
+    ``prepare(batch)``, splits it into ``accumulation_steps`` micro-batches, and for each runs
+    ``output = forward(model, micro)`` (default ``model(micro[input_key])``) and
+    ``loss = loss_fn(output, micro[target_key])`` (``loss_fn(output, micro)`` when ``target_key`` is None),
+    inside ``step_context()`` if given (e.g. ``torch.distributed.tensor.parallel.loss_parallel``), then
+    backward. ``loss_fn`` must return the mean over the units that ``loss_weight`` counts:
+    ``"samples"`` (rows), ``"tokens"`` (elements of the target) or ``callable(micro) -> count``.
+    Gradients are those of the mean over the *global* batch; with ``grad_clip`` they are clipped by
+    their global norm (``norm_type``) across every mesh. Nothing is moved except to ``topology.device``.
+
+    After each iteration, the same on every rank:
+
+    - ``engine.state.output``: the global mean loss as a float (``nan`` if the global batch had no valid
+      row: the step is then skipped);
+    - ``engine.state.loss_count``: the global count the loss is the mean over (0.0 for a skipped step);
+    - ``engine.state.grad_norm``: with ``grad_clip``, the global gradient norm before clipping.
+
+    The step is a :class:`TrainStep`; build ``Engine(TrainStep(...))`` yourself to keep a reference to it.
+    """
+    step = TrainStep(
+        model,
+        optimizer,
+        loss_fn,
+        topology,
+        grad_clip=grad_clip,
+        norm_type=norm_type,
+        accumulation_steps=accumulation_steps,
+        loss_weight=loss_weight,
+        prepare=prepare,
+        forward=forward,
+        step_context=step_context,
+        input_key=input_key,
+        target_key=target_key,
+    )
+    return Engine(step)
