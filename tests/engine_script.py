@@ -16,7 +16,7 @@ from ignite.engine import Events
 from torch import nn
 
 import meshwise
-from meshwise.handlers import RunLogger, progress_bar, setup_logging
+from meshwise.engine import ProgressBar, RunLogger, setup_logging
 
 V, D, T, GLOBAL_BATCH, STEPS, LR = 32, 16, 6, 8, 6, 0.5
 
@@ -73,8 +73,10 @@ def train(topo: meshwise.Topology, run_dir: str) -> dict:
     reference = copy.deepcopy(full)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
     ref_losses = []
+    ref_counts = []
     for b in global_batches():
         b = split_tokens(b)
+        ref_counts.append(float((b["target"] != -100).sum()))
         loss = token_loss(reference(b["input"]), b["target"])
         ref_opt.zero_grad()
         loss.backward()
@@ -97,11 +99,13 @@ def train(topo: meshwise.Topology, run_dir: str) -> dict:
         loss_weight=lambda b: (b["target"] != -100).sum(),
         step_context=loss_parallel,
     )
-    bar = progress_bar(trainer, topo, desc=f"train-bar-of-rank-{topo.rank}")
-    say(f"rank {topo.rank} bar {bar is not None}")
+    bar = ProgressBar(topo, desc=f"train-bar-of-rank-{topo.rank}").attach(trainer)
+    say(f"rank {topo.rank} bar {bar.enabled}")
     logger = RunLogger(run_dir, topo).attach(trainer)
     losses: list[float] = []
+    counts: list[float] = []  # scored tokens of each global batch
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(e.state.output))
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: counts.append(e.state.loss_count))
     n = GLOBAL_BATCH // topo.data_size
     lo = topo.data_rank * n
     local = [{k: v[lo : lo + n] for k, v in b.items()} for b in global_batches()]
@@ -116,7 +120,14 @@ def train(topo: meshwise.Topology, run_dir: str) -> dict:
     )
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
     say(f"CHECK rank={topo.rank} param_diff={diff:.3g} loss_diff={loss_diff:.3g} losses={losses}")
-    return {"bar": bar is not None, "param_diff": diff, "loss_diff": loss_diff, "losses": losses}
+    return {
+        "bar": bar.enabled,
+        "param_diff": diff,
+        "loss_diff": loss_diff,
+        "losses": losses,
+        "counts": counts,
+        "ref_counts": ref_counts,
+    }
 
 
 if __name__ == "__main__":

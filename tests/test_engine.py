@@ -51,6 +51,7 @@ def test_loss_parallel_token_weighting_matches_one_process(run):
     for r in ranks:
         assert r["param_diff"] <= 1e-5 and r["loss_diff"] <= 1e-6, r
         assert r["losses"] == ranks[0]["losses"], "engine.state.output differs between ranks"
+        assert r["counts"] == r["ref_counts"], "engine.state.loss_count is not the global count of scored tokens"
 
 
 def test_logs_written_once_and_plotted(run, tmp_path, capsys):
@@ -79,3 +80,137 @@ def test_logs_written_once_and_plotted(run, tmp_path, capsys):
     assert Path(png).read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(MeshwiseError, match="RunLogger"):
         plot_run(tmp_path / "missing")
+
+
+# --------------------------------------------------------------------------- one process: the step and the handlers
+
+
+@pytest.fixture
+def topo():
+    import meshwise
+
+    topology = meshwise.init({"dp": 1})  # a world of one needs no launch
+    yield topology
+    meshwise.shutdown()
+
+
+def _regression(n: int = 12, seed: int = 0) -> list[dict]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, generator=g)
+    return [{"input": x[i : i + 4], "target": x[i : i + 4].sum(1, keepdim=True)} for i in range(0, n, 4)]
+
+
+def test_train_step_alone_keeps_its_state(topo):
+    import torch
+    import torch.nn.functional as F
+
+    from meshwise.engine import TrainStep
+
+    torch.manual_seed(0)
+    model, reference = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    reference.load_state_dict(model.state_dict())
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss, grad_clip=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert (step.reference, step.loss_count, step.grad_norm) == (1.0, None, None)
+    batches = _regression()
+    batches[1] = {**batches[1], "valid": torch.tensor([True, False, True, True])}  # one padding row
+    for batch in batches:
+        keep = batch.get("valid", torch.ones(4, dtype=torch.bool))
+        loss = F.mse_loss(reference(batch["input"][keep]), batch["target"][keep])
+        ref_opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        ref_opt.step()
+        assert step.train(batch) == pytest.approx(loss.item(), abs=1e-7)
+        assert step.loss_count == step.reference == float(keep.sum())
+        assert step.grad_norm == pytest.approx(norm.item(), rel=1e-6)
+    assert torch.allclose(model.weight, reference.weight, atol=1e-7)
+
+
+def test_progress_bar_periodic_evaluation_and_time_budget(topo):
+    import io
+
+    import torch
+    import torch.nn.functional as F
+    from ignite.engine import Events
+    from torchmetrics import MeanSquaredError
+
+    import meshwise
+    from meshwise.data import ArrayDataset, mesh_dataloader
+    from meshwise.engine import PeriodicEvaluation, ProgressBar, TimeBudget, create_evaluator
+    from meshwise.errors import MeshwiseError
+
+    model = torch.nn.Linear(3, 1)
+    trainer = meshwise.create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), F.mse_loss)
+    x = torch.randn(10, 3)
+    val = mesh_dataloader(
+        ArrayDataset({"input": x, "target": x.sum(1, keepdim=True)}), global_batch_size=4, mode="eval"
+    )
+    evaluator = create_evaluator(model, metrics={"mse": MeanSquaredError()})
+    periodic = PeriodicEvaluation(evaluator, val, every=2, at_start=True).attach(trainer)
+    out = io.StringIO()
+    bar = ProgressBar(total=5, desc="fit", file=out).attach(trainer, evaluators={"val": evaluator})
+    seen = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append(bar.postfix(e)))
+    trainer.run(_regression(20), max_epochs=1)
+    # evaluated before the first step, at 2 and 4, and at the end (5)
+    assert [h["iteration"] for h in periodic.history] == [0, 2, 4, 5]
+    assert periodic.latest == periodic.history[-1]["metrics"] == evaluator.state.metrics
+    assert "fit[5/5]" in out.getvalue() and "val_mse=" in out.getvalue()
+    assert set(seen[-1]) == {"loss", "val_mse"} and seen[-1]["loss"] == trainer.state.output
+    again = PeriodicEvaluation(evaluator, val, every=2)
+    again.load_state_dict(periodic.state_dict())
+    assert again.history == periodic.history
+
+    budget = TimeBudget(1e-9, check_every=3).attach(trainer)  # long over after 3 iterations
+    trainer.run(_regression(40), max_epochs=1)
+    assert trainer.state.iteration == 3 and budget.iterations == 3
+    with pytest.raises(MeshwiseError, match="every must be a positive int"):
+        PeriodicEvaluation(evaluator, val, every=0)
+    with pytest.raises(MeshwiseError, match="positive number of seconds"):
+        TimeBudget(0)
+
+
+def _fit(root, max_epochs: int, batches: int = 3):
+    import torch
+    import torch.nn.functional as F
+
+    import meshwise
+    from meshwise.engine import Checkpointing
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = meshwise.create_trainer(model, opt, F.mse_loss)
+    ckpt = meshwise.Checkpointer(root, keep_last=2)
+    handler = Checkpointing(ckpt, every_epochs=1, model=model, optimizer=opt).attach(trainer)
+    trainer.run(_regression(4 * batches), max_epochs=max_epochs)
+    ckpt.close()
+    return trainer, handler, model
+
+
+def test_checkpointing_resumes_and_says_when_nothing_is_left(topo, tmp_path, caplog):
+    import logging
+
+    import torch
+
+    from meshwise.engine import Checkpointing
+    from meshwise.errors import CheckpointError
+
+    first, handler, model = _fit(tmp_path, max_epochs=2)
+    assert handler.resumed is None and first.state.iteration == 6 and first.state.output is not None
+    with caplog.at_level(logging.INFO, logger="meshwise.engine.handlers"):
+        again, handler, resumed = _fit(tmp_path, max_epochs=2)
+    assert handler.resumed.step == 6 and again.state.iteration == 6 and again.state.output is None
+    assert "checkpoint step 6 already completes this run (max_epochs=2): nothing left to train" in caplog.text
+    assert torch.equal(resumed.weight, model.weight)
+    more, handler, _ = _fit(tmp_path, max_epochs=3)  # one more epoch from the checkpoint of epoch 2
+    assert handler.resumed.step == 6 and more.state.iteration == 9 and more.state.epoch == 3
+    with pytest.raises(CheckpointError, match="iterations per epoch"):
+        _fit(tmp_path, max_epochs=5, batches=4)  # another epoch length: another dataset or batch size
+    with pytest.raises(CheckpointError, match="past this run's max_epochs=2"):
+        _fit(tmp_path, max_epochs=2)
+    with pytest.raises(CheckpointError, match="needs a meshwise.Checkpointer"):
+        Checkpointing(object(), every_epochs=1)
