@@ -15,8 +15,8 @@ from torchmetrics.functional import mean_squared_error
 from torchmetrics.functional.classification import binary_auroc, multiclass_accuracy, multiclass_f1_score
 from torchmetrics.regression import MeanSquaredError
 
-import meshwise
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
+from meshwise.engine import create_evaluator
 from meshwise.metrics import MeanLoss, MeshMetric, compute_all
 from meshwise.testing import CollectiveCounter, run_distributed
 
@@ -93,13 +93,19 @@ def _reference(model: nn.Module, data: dict[str, torch.Tensor]) -> dict[str, flo
     }
 
 
-def _metrics(topo) -> dict:
+def _metrics(topo, replica_check: bool) -> dict:
+    """MeshMetrics made here, so the test keeps references to them (to count the collectives of a compute)."""
+
     def ones(output, batch):
         return (torch.ones(output.shape[0]),)
 
     return {
-        "cls": MetricCollection(  # a plain collection: create_evaluator wraps it
-            {"acc": MulticlassAccuracy(CLASSES, average="micro"), "f1": MulticlassF1Score(CLASSES, average="macro")}
+        "cls": MeshMetric(
+            MetricCollection(
+                {"acc": MulticlassAccuracy(CLASSES, average="micro"), "f1": MulticlassF1Score(CLASSES, average="macro")}
+            ),
+            topo,
+            replica_check=replica_check,
         ),
         "mse": MeshMetric(MeanSquaredError(), topo, select=lambda o, b: (o[:, 0], b["r"])),
         "count": MeshMetric(SumMetric(), topo, select=ones),
@@ -124,18 +130,24 @@ def _evaluate_mlp(topo, replica_check: bool = False, dtensor: bool = False) -> d
     out = {"results": {}, "reference": {}}
     for n in LENGTHS:
         data = dataset(n)
-        evaluator = meshwise.create_evaluator(model, topo, metrics=_metrics(topo), replica_check=replica_check)
+        metrics = _metrics(topo, replica_check)
+        evaluator = create_evaluator(model, topo, metrics=metrics)
         loader = eval_loader(data, topo)
         out.setdefault("rows", {})[n] = real_rows(loader)
         evaluator.run(loader)
         out["results"][n] = dict(evaluator.state.metrics)
         out["reference"][n] = _reference(reference_model, data)
+        if n == 5:  # a plain torchmetrics Metric: create_evaluator wraps it, with its replica_check
+            acc = {"acc": MulticlassAccuracy(CLASSES, average="micro")}
+            plain = create_evaluator(model, topo, metrics=acc, replica_check=replica_check)
+            plain.run(eval_loader(data, topo))
+            out["plain_acc"] = plain.state.metrics["acc"]
         if n == 101:
-            mesh_metrics = list(evaluator.mesh_metrics.values())
+            mesh_metrics = list(metrics.values())
             with CollectiveCounter() as all_metrics:
                 again = compute_all(mesh_metrics)
             recorded = [m.last_collectives for m in mesh_metrics]
-            sum_only = [m for name, m in evaluator.mesh_metrics.items() if name != "auroc"]
+            sum_only = [m for name, m in metrics.items() if name != "auroc"]
             with CollectiveCounter() as sums:
                 compute_all(sum_only)
             out["collectives"] = (all_metrics.calls, sums.calls, recorded)
@@ -164,6 +176,7 @@ def _check(results: list[dict], metric_size: int, replica_check: bool) -> None:
             assert sums == ["all_reduce", *check], sums  # one fused collective for every sum-reducible state
             assert recorded == [2 + len(check)] * 5
         assert rank_out["again_acc"] == pytest.approx(rank_out["reference"][101]["acc"])
+        assert rank_out["plain_acc"] == pytest.approx(rank_out["reference"][5]["acc"], rel=1e-6)
         assert rank_out["training_restored"]
 
 
@@ -220,7 +233,7 @@ def _evaluate_split(topo) -> dict:
             # per-cell metrics: every split rank contributes its part of the field
             "mse": MeshMetric(MeanSquaredError(), topo, select=lambda o, b: (o["cells"], b["field_target"])),
             "cell_l1": MeshMetric(l1, topo, select=lambda o, b: (o["cells"], b["field_target"])),
-            # per-sample metrics: each split rank holds the full logits; the split leader counts the sample
+            # per-sample metrics: each split rank holds the full logits; split coordinate 0 counts the sample
             "cls": MeshMetric(
                 MetricCollection(
                     {
@@ -229,18 +242,20 @@ def _evaluate_split(topo) -> dict:
                     }
                 ),
                 topo,
-                split="leader",
+                split_inputs="whole",
                 select=lambda o, b: (o["logits"], b["target"]),
             ),
             "auroc": MeshMetric(
                 BinaryAUROC(),
                 topo,
-                split="leader",
+                split_inputs="whole",
                 select=lambda o, b: (o["logits"].softmax(-1)[:, 1], (b["target"] == 1).long()),
             ),
-            "count": MeshMetric(SumMetric(), topo, split="leader", select=lambda o, b: (torch.ones(len(b["index"])),)),
+            "count": MeshMetric(
+                SumMetric(), topo, split_inputs="whole", select=lambda o, b: (torch.ones(len(b["index"])),)
+            ),
         }
-        evaluator = meshwise.create_evaluator(model, topo, metrics=metrics, forward=lambda m, b: m(b["field"]))
+        evaluator = create_evaluator(model, topo, metrics=metrics, forward=lambda m, b: m(b["field"]))
         loader = eval_loader(data, topo, parts={"field": Shard(0), "field_target": Shard(0)})
         out.setdefault("rows", {})[n] = real_rows(loader)
         evaluator.run(loader)
@@ -271,3 +286,24 @@ def test_evaluator_split_dims_sum_parts_and_count_samples_once():
                 if key == "auroc" and n == 1:
                     continue
                 assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), (n, key, got[key], value)
+
+
+def test_evaluator_refuses_a_train_loader():
+    """A loader made with mode="train" would evaluate 192 of 203 samples, shuffled: refused before any step."""
+    import meshwise
+    from meshwise.errors import MetricError
+
+    topo = meshwise.init({"dp": 1})  # a world of one needs no launch
+    try:
+        model = MLP()
+        metrics = {"count": SumMetric()}
+        train = mesh_dataloader(ArrayDataset(dataset(203)), topo, global_batch_size=16, mode="train")
+        evaluator = create_evaluator(model, topo, metrics=metrics, select=lambda o, b: torch.ones(len(o)))
+        with pytest.raises(MetricError, match=r"192 of 203 samples.*mode='eval'"):
+            evaluator.run(train)
+        assert evaluator.state.iteration == 0 and model.training
+        evaluator = create_evaluator(model, topo, metrics=metrics, select=lambda o, b: torch.ones(len(o)))
+        evaluator.run(mesh_dataloader(ArrayDataset(dataset(203)), topo, global_batch_size=16, mode="eval"))
+        assert evaluator.state.metrics["count"] == 203 and model.training
+    finally:
+        meshwise.shutdown()
