@@ -151,7 +151,7 @@ def _equivalence(topo, dp_modes: list[str]) -> dict:
     for dp in dp_modes:
         for name, clip, accum, momentum in VARIANTS:
             torch.manual_seed(0)
-            full = Net()  # full weights under one seed on every rank, then shard (PITFALLS.md)
+            full = Net()  # full weights under one seed on every rank, then shard (docs/torch.md, random numbers)
             ref_losses, ref_params, ref_norms = reference_run(copy.deepcopy(full), clip, momentum)
             model = meshwise.parallelize(full, topo, tp_plan=tp_plan() if tp > 1 else None, dp=dp)
             opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
