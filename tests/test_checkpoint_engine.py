@@ -1,4 +1,4 @@
-"""Checkpointer.attach with the real layers: create_trainer + parallelize + mesh_dataloader, auto-resume mid-epoch."""
+"""The Checkpointing handler with the real layers: create_trainer + parallelize + mesh_dataloader, resume mid-epoch."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def _run(topo, root: str | None, stop_at: int | None, max_epochs: int = 2) -> di
 
     import meshwise
     from meshwise.data import ArrayDataset, mesh_dataloader
+    from meshwise.engine import Checkpointing
 
     torch.manual_seed(1234)
     model = meshwise.parallelize(
@@ -47,7 +48,9 @@ def _run(topo, root: str | None, stop_at: int | None, max_epochs: int = 2) -> di
     )
     if root is not None:
         ckpt = meshwise.Checkpointer(root, topo, keep_last=2)
-        ckpt.attach(trainer, every_iterations=2, model=model, optimizer=opt, loader=loader, scheduler=sched)
+        Checkpointing(ckpt, every_iterations=2, model=model, optimizer=opt, loader=loader, scheduler=sched).attach(
+            trainer
+        )
     if stop_at is not None:
         trainer.add_event_handler(Events.ITERATION_COMPLETED(once=stop_at), lambda e: e.terminate())
     trainer.run(loader, max_epochs=max_epochs)
@@ -69,7 +72,7 @@ def _second(topo, root: str) -> dict:
     return _run(topo, root, None)
 
 
-def test_attach_resumes_create_trainer_and_mesh_dataloader_mid_epoch(tmp_path):
+def test_checkpointing_resumes_create_trainer_and_mesh_dataloader_mid_epoch(tmp_path):
     root = str(tmp_path / "ckpt")
     one = run_distributed(_first, 4, root, mesh=MESH, timeout=120)
     # step-4 is the latest checkpoint (mid-epoch 2); iteration 5 ran but was not saved, so it runs again
