@@ -3,7 +3,8 @@
     python examples/quickstart.py                                                    # one process
     meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 examples/quickstart.py         # dp=2 x tp=2
 
-Every mesh prints the same numbers (up to float rounding): that is the point.
+Every mesh prints the same numbers (up to float rounding): that is the point. Run it again in the same
+folder and it resumes from its last checkpoint; once the run is complete it says so and evaluates again.
 """
 
 import argparse
@@ -15,6 +16,7 @@ from torchmetrics import MeanSquaredError
 
 import meshwise
 from meshwise.data import ArrayDataset, mesh_dataloader
+from meshwise.engine.handlers import Checkpointing, ProgressBar
 
 
 class MLP(nn.Module):
@@ -51,16 +53,19 @@ def main() -> None:
     evaluator = meshwise.create_evaluator(model, topo, metrics={"mse": MeanSquaredError()})  # each sample once
 
     ckpt = meshwise.Checkpointer(args.checkpoints, topo, keep_last=2, verbose=False)
-    ckpt.attach(trainer, every_epochs=1, model=model, optimizer=opt, loader=train)  # resumes from latest
-    meshwise.handlers.progress_bar(trainer, topo)  # one bar, on global rank 0
-    trainer.run(train, max_epochs=args.epochs)
+    checkpointing = Checkpointing(ckpt, every_epochs=1, model=model, optimizer=opt, loader=train).attach(trainer)
+    ProgressBar(topo).attach(trainer)  # one bar, on global rank 0
+    trainer.run(train, max_epochs=args.epochs)  # resumes from the latest checkpoint, if any
     evaluator.run(val)
     ckpt.close()
     if topo.is_leader():
         mesh = " x ".join(f"{d}={s}" for d, s in topo.sizes.items())
+        if trainer.state.output is None:  # the checkpoint already held the whole run: no step ran
+            trained = f"checkpoint step {checkpointing.resumed.step} already completes {args.epochs} epochs"
+        else:
+            trained = f"last train loss {trainer.state.output:.6f}"
         print(
-            f"mesh {mesh}: last train loss {trainer.state.output:.6f}, held-out mse "
-            f"{evaluator.state.metrics['mse']:.6f} over 203 samples",
+            f"mesh {mesh}: {trained}, held-out mse {evaluator.state.metrics['mse']:.6f} over 203 samples",
             flush=True,
         )
     meshwise.shutdown()
