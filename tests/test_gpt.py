@@ -80,7 +80,7 @@ def _equivalence(topo, lr: float = 1e-3, clip: float = 0.5) -> dict:
 
     # 1. torch's own APIs.
     torch.manual_seed(0)
-    model = gpt.GPT(cfg)  # full weights under one seed, then shard (PITFALLS.md)
+    model = gpt.GPT(cfg)  # full weights under one seed, then shard (docs/torch.md, random numbers)
     reference = copy.deepcopy(model)
     ref_losses = _train_reference(reference, batches, lr)
     if tp > 1:

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 
 def launch(nproc: int, mesh: str, script_args: list[str]) -> None:
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = ["--time-budget", str(a.time_budget)]
     launch(a.nproc, a.mesh, ["--run-dir", a.run_dir, "--overwrite", "--steps", str(a.steps), *budget, *extra])
     launch(a.nproc, a.resume_mesh, ["--resume", a.run_dir, "--steps", str(a.resume_steps), *extra])
-    from train import format_summary
+    from train import format_summary  # this script's folder is on sys.path
 
     rows = [json.loads(x) for x in (Path(a.run_dir) / "summary.jsonl").read_text().splitlines() if x.strip()]
     first, last = rows[0]["first_val_loss"], rows[-1]["val_loss"]

@@ -25,7 +25,7 @@ class GPTConfig:
     n_layer: int = 4
     n_head: int = 4
     d_model: int = 128
-    dropout: float = 0.0  # 0 keeps a tensor-parallel run bit-comparable to one process (PITFALLS.md)
+    dropout: float = 0.0  # 0 keeps a tensor-parallel run comparable to one process (docs/torch.md, random numbers)
     bias: bool = True
 
     def to_dict(self) -> dict:

@@ -54,17 +54,22 @@ def prepare(
     tokens: str | os.PathLike | None = None,
     val_fraction: float = 0.05,
     force: bool = False,
+    write: bool = True,
 ) -> dict:
     """Write ``out_dir/{train,val}.npy`` and ``meta.json``; return the metadata (reused when up to date).
 
     Give at most one of ``source_dir`` (a folder of ``.py`` files; default the standard library),
-    ``text`` (one file, byte-level) or ``tokens`` (a 1-D ``.npy`` of token ids).
+    ``text`` (one file, byte-level) or ``tokens`` (a 1-D ``.npy`` of token ids). With ``write=False``
+    nothing is written: the metadata of up-to-date files, else a :class:`DataError`.
     """
     if sum(x is not None for x in (source_dir, text, tokens)) > 1:
         raise DataError("give only one of source_dir, text and tokens: they are alternative corpora")
     if not 0.0 < val_fraction < 1.0:
         raise DataError(f"val_fraction must be between 0 and 1 (exclusive), got {val_fraction}")
     out = Path(out_dir)
+    for name, path in (("text", text), ("tokens", tokens)):
+        if path is not None and not Path(path).is_file():
+            raise DataError(f"the {name} file {path} does not exist: give an existing file")
     if text is not None:
         source = {"kind": "text", "path": str(Path(text).resolve()), "size": Path(text).stat().st_size}
     elif tokens is not None:
@@ -81,6 +86,8 @@ def prepare(
         meta = json.loads(meta_path.read_text())
         if meta.get("request") == request:
             return meta
+    if not write:
+        raise DataError(f"{out} holds no up-to-date corpus for {source['path']}: prepare it first (prepare.py)")
 
     extra: dict = {}
     if source["kind"] == "python":

@@ -23,22 +23,20 @@ import sys
 import time
 from pathlib import Path
 
+import ignite.distributed as idist
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+from ignite.engine import Events
+from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan
+from prepare import prepare
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan  # noqa: E402
-from prepare import prepare  # noqa: E402
-
-import meshwise  # noqa: E402
-from meshwise.data import ArrayDataset, mesh_dataloader  # noqa: E402
-from meshwise.errors import DataError, MeshwiseError  # noqa: E402
-from meshwise.handlers import RunLogger  # noqa: E402
-from meshwise.metrics import MeanLoss  # noqa: E402
-from meshwise.plot import plot_run  # noqa: E402
+import meshwise
+from meshwise.data import ArrayDataset, mesh_dataloader
+from meshwise.engine import PeriodicEvaluation, ProgressBar, RunLogger, TimeBudget
+from meshwise.errors import DataError, MeshwiseError
+from meshwise.metrics import MeanLoss
+from meshwise.plot import plot_run
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "d_model")
 
@@ -95,7 +93,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# --------------------------------------------------------------------------- data
+# --------------------------------------------------------------------------- run folder and data
+
+
+def open_run_folder(args: argparse.Namespace, topo: meshwise.Topology) -> Path:
+    """The run folder of this phase; a new training phase refuses a folder that holds a run (unless --overwrite)."""
+    run_dir = Path(args.run_dir or args.resume or "runs/gpt")
+    if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
+        raise MeshwiseError(
+            f"run folder {run_dir} already holds a run: pass --resume {run_dir} to continue it, "
+            "--overwrite to start afresh, or --run-dir elsewhere"
+        )
+    if args.resume and not (Path(args.resume) / "config.json").exists():
+        raise MeshwiseError(f"--resume {args.resume}: no config.json there; give the run folder of a training phase")
+    if args.overwrite and not args.resume and topo.is_leader() and run_dir.exists():
+        shutil.rmtree(run_dir)
+    topo.barrier()  # no rank looks into the folder while rank 0 may still be clearing it
+    return run_dir
+
+
+def prepare_data(args: argparse.Namespace, topo: meshwise.Topology) -> tuple[Path, dict]:
+    """Rank 0 tokenises the corpus (or finds it up to date) while the others wait; then every rank checks and
+    reads the same files, so a failure on rank 0 (a missing corpus) fails every rank with the same message."""
+    out = Path(args.data_dir)
+    if args.text or args.tokens or args.source_dir:
+        kind = "text" if args.text else "tokens" if args.tokens else "src"
+        out = out / f"{kind}-{Path(args.text or args.tokens or args.source_dir).stem}"
+    corpus = dict(source_dir=args.source_dir, text=args.text, tokens=args.tokens, val_fraction=args.val_fraction)
+    failure = None
+    if topo.is_leader():
+        try:
+            prepare(out, **corpus)
+        except (MeshwiseError, OSError) as exc:
+            failure = exc
+    topo.barrier()
+    try:
+        if failure is not None:
+            raise failure
+        return out, prepare(out, **corpus, write=False)
+    except (MeshwiseError, OSError) as exc:
+        raise DataError(f"could not prepare the corpus: {exc}") from exc
 
 
 def windows(tokens_path: Path, block_size: int, limit: int = 0) -> dict[str, np.ndarray]:
@@ -110,40 +147,22 @@ def windows(tokens_path: Path, block_size: int, limit: int = 0) -> dict[str, np.
     return {"input": w[:, :-1], "target": w[:, 1:]}
 
 
-class Perplexity(MeanLoss):
-    """exp of the token-weighted mean loss."""
-
-    def compute(self) -> torch.Tensor:
-        return super().compute().exp()
-
-
 def as_token_ids(batch: dict) -> dict:
     """Byte tokens arrive as uint8 (as stored); embeddings and cross-entropy want int64 ids."""
     return {**batch, "input": batch["input"].long(), "target": batch["target"].long()}
 
 
-def prepare_data(args: argparse.Namespace, topo) -> tuple[Path, dict]:
-    """Rank 0 tokenises (or reuses) the corpus; every rank then reads the same files."""
-    out = Path(args.data_dir)
-    if args.text or args.tokens or args.source_dir:
-        kind = "text" if args.text else "tokens" if args.tokens else "src"
-        out = out / f"{kind}-{Path(args.text or args.tokens or args.source_dir).stem}"
-    error = None
-    if topo.rank == 0:
-        try:
-            prepare(out, source_dir=args.source_dir, text=args.text, tokens=args.tokens, val_fraction=args.val_fraction)
-        except (MeshwiseError, OSError) as exc:
-            error = str(exc)
-    if topo.world_size > 1:  # every rank learns rank 0's outcome, so none waits for a corpus that never comes
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise DataError(f"could not prepare the corpus: {error}")
-    return out, json.loads((out / "meta.json").read_text())
+# --------------------------------------------------------------------------- losses and metrics
 
 
-# --------------------------------------------------------------------------- losses
+def loss_context(topo: meshwise.Topology) -> contextlib.AbstractContextManager:
+    """``loss_parallel()`` when the head is vocab-sharded; its backward must run inside it too.
+
+    It does not nest: leaving an inner ``loss_parallel()`` switches it off for the outer one too.
+    """
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel() if topo.replica_dims and topo.size(topo.replica_dims) > 1 else contextlib.nullcontext()
 
 
 def per_token_loss(logits, target: torch.Tensor) -> torch.Tensor:
@@ -157,17 +176,14 @@ def per_token_loss(logits, target: torch.Tensor) -> torch.Tensor:
     return loss.view(target.shape)
 
 
-def loss_context(topo):
-    """``loss_parallel()`` when the head is vocab-sharded; its backward must run inside it too.
+class Perplexity(MeanLoss):
+    """exp of the token-weighted mean loss."""
 
-    It does not nest: leaving an inner ``loss_parallel()`` switches it off for the outer one too.
-    """
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel() if topo.replica_dims and topo.size(topo.replica_dims) > 1 else contextlib.nullcontext()
+    def compute(self) -> torch.Tensor:
+        return super().compute().exp()
 
 
-# --------------------------------------------------------------------------- run folder
+# --------------------------------------------------------------------------- summary
 
 
 def _size(n: float) -> str:
@@ -201,6 +217,20 @@ def format_summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def write_summary(run_dir: Path, row: dict, checkpoint: Path) -> None:
+    """Append this phase's row to summary.jsonl, draw loss.png and print the table of every phase (rank 0)."""
+    with open(run_dir / "summary.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    rows = [json.loads(x) for x in (run_dir / "summary.jsonl").read_text().splitlines() if x.strip()]
+    png = plot_run(run_dir, run_dir / "loss.png")
+    print("\n" + format_summary(rows), flush=True)
+    print(
+        f"\nrun folder {run_dir}: metrics.jsonl, tensorboard/ (tensorboard --logdir {run_dir}), "
+        f"{Path(png).name}, checkpoint {checkpoint}",
+        flush=True,
+    )
+
+
 # --------------------------------------------------------------------------- the phase
 
 
@@ -212,18 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     mesh_name = "x".join(f"{d}={s}" for d, s in topo.sizes.items() if s > 1) or "x".join(
         f"{d}={s}" for d, s in topo.sizes.items()
     )
-    run_dir = Path(args.run_dir or args.resume or "runs/gpt")
-    if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
-        raise MeshwiseError(
-            f"run folder {run_dir} already holds a run: pass --resume {run_dir} to continue it, "
-            "--overwrite to start afresh, or --run-dir elsewhere"
-        )
-    if args.resume and not (Path(args.resume) / "config.json").exists():
-        raise MeshwiseError(f"--resume {args.resume}: no config.json there; give the run folder of a training phase")
-    if args.overwrite and not args.resume and topo.rank == 0 and run_dir.exists():
-        shutil.rmtree(run_dir)
-    if topo.world_size > 1:
-        dist.barrier()
+    run_dir = open_run_folder(args, topo)
 
     # ---- data and model size: from the options, or on --resume from the run folder's config
     if args.resume:
@@ -238,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.resume:
         cfg.vocab_size = meta["vocab_size"] + (-meta["vocab_size"]) % tp  # padded ids never occur in the data
     check_tp_degree(cfg, tp)
-    if topo.rank == 0 and not args.resume:
+    if topo.is_leader() and not args.resume:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "args": vars(args)}, indent=1))
 
@@ -262,7 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
         betas=(0.9, 0.95),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-    # Every row holds block_size target tokens: the loss is the mean over the global batch's tokens.
+
+    # ---- trainer and evaluator. Every row holds block_size target tokens: the loss is the mean over the global
+    # batch's tokens. The evaluator's forward computes the per-token loss from the vocab-sharded logits under
+    # loss_parallel(), so the logits are never gathered; the metrics weigh every valid token once.
     trainer = meshwise.create_trainer(
         model,
         optimizer,
@@ -273,8 +295,6 @@ def main(argv: list[str] | None = None) -> dict:
         step_context=lambda: loss_context(topo),
         prepare=as_token_ids,
     )
-    # The forward hook computes the per-token loss from the vocab-sharded logits under loss_parallel(), so the
-    # logits are never gathered; the metrics take the valid rows of that [B, T] loss and weigh every token once.
     evaluator = meshwise.create_evaluator(
         model,
         topo,
@@ -284,23 +304,19 @@ def main(argv: list[str] | None = None) -> dict:
         prepare=as_token_ids,
     )
     checkpointer = meshwise.Checkpointer(run_dir / "checkpoints", topo)
-    state_objects = {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "engine": trainer,
-        "loader": train_loader,
-    }
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "engine": trainer, "loader": train_loader}
 
+    # ---- resume: the checkpoint reshards model and optimizer to this mesh; the loader continues its cursor
     start = 0
     if args.resume:
         source = checkpointer
         if Path(args.resume).resolve() != run_dir.resolve():
             source = meshwise.Checkpointer(Path(args.resume) / "checkpoints", topo)
-        source.load("latest", **state_objects)
+        info = source.load("latest", **state)
         start = trainer.state.iteration
-    logger = RunLogger(run_dir, topo).attach(trainer, evaluators={"val": evaluator})
-    if topo.rank == 0:
+        if topo.is_leader():
+            print(info.message, flush=True)
+    if topo.is_leader():
         print(
             f"{'resume' if args.resume else 'train'} at {mesh_name} from step {start}: GPT {cfg.n_layer} layers x "
             f"d_model {cfg.d_model} ({n_params / 1e6:.2f}M params); {meta['train_tokens']:,} train tokens, "
@@ -308,86 +324,50 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
 
-    from ignite.engine import Events
-
-    phase = {"train_s": 0.0, "t0": 0.0, "losses": [], "val": []}
-    bar = None
-    if topo.rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc=f"{mesh_name} step", dynamic_ncols=True, file=sys.stdout)
-
-    def evaluate() -> float:
-        evaluator.run(val_loader)  # leaves FSDP2 modules resharded, as the optimizer and checkpoint need
-        phase["val"].append(float(evaluator.state.metrics["loss"]))
-        return phase["val"][-1]
-
-    @trainer.on(Events.ITERATION_STARTED)
-    def _tick(engine):
-        phase["t0"] = time.perf_counter()
+    # ---- handlers: each step's time and loss, the scheduler, the log, held-out evaluation, bar and time budget
+    phase = {"train_s": 0.0, "t0": 0.0, "losses": []}
+    trainer.add_event_handler(Events.ITERATION_STARTED, lambda _: phase.update(t0=time.perf_counter()))
 
     @trainer.on(Events.ITERATION_COMPLETED)
     def _after_step(engine):
         phase["train_s"] += time.perf_counter() - phase["t0"]
-        scheduler.step()
-        done = engine.state.iteration - start
         phase["losses"].append(float(engine.state.output))
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{phase['losses'][-1]:.3f}", held_out=f"{phase['val'][-1]:.3f}")
-        if done % args.eval_every == 0 and done < args.steps:
-            evaluate()
-        if args.time_budget and done % 5 == 0:
-            elapsed = torch.tensor([time.perf_counter() - phase["started"]])  # training and its evaluations
-            if topo.world_size > 1:
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-            if elapsed.item() > args.time_budget:
-                engine.terminate()
+        scheduler.step()
 
-    @trainer.on(Events.EPOCH_COMPLETED)
-    def _next_epoch(engine):
-        train_loader.set_epoch(engine.state.epoch)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda engine: train_loader.set_epoch(engine.state.epoch))
+    logger = RunLogger(run_dir, topo).attach(trainer, evaluators={"val": evaluator})
+    held_out = PeriodicEvaluation(evaluator, val_loader, every=args.eval_every, at_start=True).attach(trainer)
+    if not args.no_progress:
+        bar = ProgressBar(topo, total=args.steps, desc=f"{mesh_name} step ", file=sys.stdout, dynamic_ncols=True)
+        bar.attach(trainer, evaluators={"held_out": evaluator})
+    if args.time_budget:
+        TimeBudget(args.time_budget, topo).attach(trainer)  # every rank stops at the same step
 
-    evaluate()
-    phase["started"] = time.perf_counter()
+    # ---- train (evaluating at the start, every --eval-every steps and at the end), then checkpoint
     trainer.run(train_loader, max_iters=start + args.steps)
     end = trainer.state.iteration
-    if bar is not None:
-        bar.close()
-    evaluate()
-    checkpoint = checkpointer.save(end, **state_objects)
+    checkpoint = checkpointer.save(end, **state)
+    logger.close()
 
-    mine = int(train_loader.bytes_read) + int(val_loader.bytes_read)
-    bytes_read = [mine]
-    if topo.world_size > 1:
-        bytes_read = [0] * topo.world_size
-        dist.all_gather_object(bytes_read, mine)
+    # ---- this phase's summary row
+    bytes_read = idist.all_gather(torch.tensor([train_loader.bytes_read + val_loader.bytes_read])).tolist()
     last = phase["losses"][-10:] or [float("nan")]
+    val_losses = [h["metrics"]["loss"] for h in held_out.history]
     row = {
         "phase": "resume" if args.resume else "train",
         "mesh": mesh_name,
         "step_from": start,
         "step_to": end,
         "train_loss": sum(last) / len(last),
-        "first_val_loss": phase["val"][0],
-        "val_loss": phase["val"][-1],
-        "val_ppl": math.exp(phase["val"][-1]),
+        "first_val_loss": val_losses[0],
+        "val_loss": val_losses[-1],
+        "val_ppl": math.exp(val_losses[-1]),
         "tokens_per_s": (end - start) * args.batch_size * cfg.block_size / max(phase["train_s"], 1e-9),
         "bytes_read": bytes_read,
         "train_seconds": phase["train_s"],
     }
-    logger.close()
-    if topo.rank == 0:
-        with open(run_dir / "summary.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-        rows = [json.loads(x) for x in (run_dir / "summary.jsonl").read_text().splitlines() if x.strip()]
-        png = plot_run(run_dir, run_dir / "loss.png")
-        print("\n" + format_summary(rows), flush=True)
-        print(
-            f"\nrun folder {run_dir}: metrics.jsonl, tensorboard/ (tensorboard --logdir {run_dir}), "
-            f"{Path(png).name}, checkpoint {checkpoint}",
-            flush=True,
-        )
+    if topo.is_leader():
+        write_summary(run_dir, row, checkpoint)
     meshwise.shutdown()
     return row
 
