@@ -190,6 +190,30 @@ def parallelize(
     ``topology`` defaults to the current one (:func:`meshwise.topology.resolve`).
     """
     topology = resolve(topology)
+    _check_parallelize_input(model, topology, dp)
+    model = _apply_tp_plan(model, topology, tp_plan)
+    metric = topology.metric_dims
+    if dp == "none" or not metric or topology.size(metric) == 1:
+        return model
+    dp_mesh = topology.submesh(metric)
+    kwargs = dict(fsdp_kwargs or {})
+    units = _select_units(model, fsdp_units)
+    if dp == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in units:
+            fully_shard(unit, mesh=dp_mesh, **kwargs)
+        fully_shard(model, mesh=dp_mesh, **kwargs)
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        for unit in units:
+            replicate(unit, mesh=dp_mesh, **kwargs)
+        replicate(model, mesh=dp_mesh, **kwargs)
+    return model
+
+
+def _check_parallelize_input(model: nn.Module, topology: Topology, dp: str) -> None:
     if not isinstance(model, nn.Module):
         raise ParallelError(f"parallelize() needs an nn.Module, got {type(model).__name__}")
     if dp not in DP_MODES:
@@ -217,38 +241,12 @@ def parallelize(
             f"the model is already data parallel ({kind}): call parallelize() once, on a model without wrappers"
         )
 
+
+def _apply_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> nn.Module:
+    """The model with ``tp_plan`` applied over the replica dim; without a plan, its DTensors checked instead."""
     replica = topology.replica_dims
     existing = dtensor_params(model)
-    if tp_plan is not None:
-        if len(replica) != 1:
-            raise ParallelError(
-                f"a tp_plan needs exactly one mesh dim with role 'replica' to shard over; this mesh has "
-                f"{list(replica) or 'none'} (dims {topology.roles}). Declare one, e.g. init({{'dp': -1, 'tp': 2}})"
-            )
-        if existing:
-            raise ParallelError(
-                f"parameter {existing[0][0]!r} is already a DTensor: the model was already tensor parallel; "
-                "give parallelize() a model with plain parameters, or drop tp_plan"
-            )
-        plan = tp_plan(model) if callable(tp_plan) else tp_plan
-        if not isinstance(plan, Mapping):
-            raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
-        from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
-
-        for key, style in plan.items():
-            if not isinstance(key, str) or not _plan_matches(model, key):
-                names = [n for n, _ in model.named_modules() if n]
-                raise ParallelError(
-                    f"tp_plan names {key!r}, which matches no submodule of {type(model).__name__}: use names "
-                    f"from model.named_modules() (wildcards allowed per level), e.g. {names[:6]}"
-                )
-            if not isinstance(style, ParallelStyle):
-                raise ParallelError(
-                    f"tp_plan[{key!r}] is a {type(style).__name__}, not a torch ParallelStyle: use "
-                    "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
-                )
-        model = parallelize_module(model, topology.submesh(replica[0]), dict(plan))
-    elif existing:
+    if tp_plan is None:
         tp_mesh = topology.submesh(replica[0]) if len(replica) == 1 else None
         for name, p in existing:
             if tp_mesh is None or not _same_mesh(p.device_mesh, tp_mesh):
@@ -258,26 +256,35 @@ def parallelize(
                     f"{topology.metric_dims} cannot compose with it. Build the model with plain parameters "
                     "and pass tp_plan=... so meshwise shards it on this topology"
                 )
-
-    metric = topology.metric_dims
-    if dp == "none" or not metric or topology.size(metric) == 1:
         return model
-    dp_mesh = topology.submesh(metric)
-    kwargs = dict(fsdp_kwargs or {})
-    units = _select_units(model, fsdp_units)
-    if dp == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    if len(replica) != 1:
+        raise ParallelError(
+            f"a tp_plan needs exactly one mesh dim with role 'replica' to shard over; this mesh has "
+            f"{list(replica) or 'none'} (dims {topology.roles}). Declare one, e.g. init({{'dp': -1, 'tp': 2}})"
+        )
+    if existing:
+        raise ParallelError(
+            f"parameter {existing[0][0]!r} is already a DTensor: the model was already tensor parallel; "
+            "give parallelize() a model with plain parameters, or drop tp_plan"
+        )
+    plan = tp_plan(model) if callable(tp_plan) else tp_plan
+    if not isinstance(plan, Mapping):
+        raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-        for unit in units:
-            fully_shard(unit, mesh=dp_mesh, **kwargs)
-        fully_shard(model, mesh=dp_mesh, **kwargs)
-    else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        for unit in units:
-            replicate(unit, mesh=dp_mesh, **kwargs)
-        replicate(model, mesh=dp_mesh, **kwargs)
-    return model
+    for key, style in plan.items():
+        if not isinstance(key, str) or not _plan_matches(model, key):
+            names = [n for n, _ in model.named_modules() if n]
+            raise ParallelError(
+                f"tp_plan names {key!r}, which matches no submodule of {type(model).__name__}: use names "
+                f"from model.named_modules() (wildcards allowed per level), e.g. {names[:6]}"
+            )
+        if not isinstance(style, ParallelStyle):
+            raise ParallelError(
+                f"tp_plan[{key!r}] is a {type(style).__name__}, not a torch ParallelStyle: use "
+                "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
+            )
+    return parallelize_module(model, topology.submesh(replica[0]), dict(plan))
 
 
 # --------------------------------------------------------------------------- global gradient norm
