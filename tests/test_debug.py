@@ -216,7 +216,7 @@ def _watchdog_scenarios(run_dir: str) -> dict:
 
     # An evaluation that rank 3 leaves after one step: its tp partner, rank 2, is told so at step 2.
     topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=f"{run_dir}/eval")
-    trainer, loader = _trainer(topo)
+    trainer, loader = _trainer(topo, mode="eval")  # the evaluator refuses a training loader
     # "+ 0" waits for the tensor-parallel all-reduce inside the step (it is asynchronous until used)
     evaluator = meshwise.create_evaluator(trainer.model, topo, forward=lambda m, b: m(b["input"]) + 0)
     steps = 1 if rank == 3 else 2
@@ -234,7 +234,7 @@ def _watchdog_scenarios(run_dir: str) -> dict:
     return out
 
 
-def _trainer(topo):
+def _trainer(topo, mode: str = "train"):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from meshwise.data import ArrayDataset, mesh_dataloader
@@ -247,7 +247,7 @@ def _trainer(topo):
     trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
     trainer.model = model
     data = ArrayDataset({"input": torch.randn(64, 4), "target": torch.randn(64, 1)})
-    return trainer, mesh_dataloader(data, topo, global_batch_size=8)
+    return trainer, mesh_dataloader(data, topo, global_batch_size=8, mode=mode)
 
 
 def test_watchdog_names_skipped_stalled_and_exited_ranks(tmp_path):
