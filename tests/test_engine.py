@@ -214,3 +214,28 @@ def test_checkpointing_resumes_and_says_when_nothing_is_left(topo, tmp_path, cap
         _fit(tmp_path, max_epochs=2)
     with pytest.raises(CheckpointError, match="needs a meshwise.Checkpointer"):
         Checkpointing(object(), every_epochs=1)
+
+
+def test_checkpointing_keeps_the_best_by_a_metric_of_the_trainer(topo, tmp_path):
+    import torch
+    import torch.nn.functional as F
+    from ignite.engine import Events
+
+    import meshwise
+    from meshwise.engine import Checkpointing
+
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = meshwise.create_trainer(model, opt, F.mse_loss)
+    scores = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.6}  # the best is epoch 2
+
+    @trainer.on(Events.EPOCH_COMPLETED)
+    def score(engine):
+        engine.state.metrics["acc"] = scores[engine.state.epoch]
+
+    ckpt = meshwise.Checkpointer(tmp_path, keep_last=1, keep_best=1, score="acc", mode="max")
+    Checkpointing(ckpt, every_epochs=1, model=model, optimizer=opt).attach(trainer)
+    trainer.run(_regression(8), max_epochs=4)
+    ckpt.close()
+    # the trainer is saved wrapped (EngineState): its state.metrics must still reach the score
+    assert ckpt.steps() == [4, 8]

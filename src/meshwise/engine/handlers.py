@@ -248,6 +248,11 @@ class EngineState:
             raise CheckpointError(f"EngineState wraps an ignite Engine, got {type(engine).__name__}")
         self.engine = engine
 
+    @property
+    def state(self) -> Any:
+        """The engine's ``state``: a ``Checkpointer(score="name")`` finds ``state.metrics["name"]`` through it."""
+        return self.engine.state
+
     def state_dict(self) -> dict[str, Any]:
         return dict(self.engine.state_dict())
 
