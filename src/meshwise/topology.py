@@ -739,6 +739,11 @@ class Topology:
         except KeyError:
             raise TopologyError(f"no mesh for dims {key}: this topology's dims are {self.dims}") from None
 
+    @property
+    def group_dims(self) -> tuple[tuple[str, ...], ...]:
+        """Every dim selection that has a group (made at init), each a tuple in mesh order."""
+        return tuple(self._submeshes)
+
     def group(self, dims: Dims) -> dist.ProcessGroup:
         """The ProcessGroup of this rank's group along ``dims`` (flattened groups were made at init)."""
         return self.submesh(dims).get_group()  # type: ignore[attr-defined]
