@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
-from meshwise.topology import Environment, Layout, Topology
+from meshwise.environment import Environment
+from meshwise.layout import Layout
+from meshwise.topology import Topology
 
 SPLIT = 4
 

@@ -15,8 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshwise.data import ArrayDataset, MeshSampler, mesh_dataloader
+from meshwise.environment import Environment
 from meshwise.errors import DataError, MeshwiseError
-from meshwise.topology import Environment, Layout, Topology
+from meshwise.layout import Layout
+from meshwise.topology import Topology
 
 # derandomize: CI sees the same examples every run (explore locally with more examples and derandomize=False)
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -13,16 +13,12 @@ import torch
 import torch.distributed as dist
 
 import meshwise
+from meshwise import topology
+from meshwise.environment import detect_environment, expand_nodelist, parse_tasks_per_node
 from meshwise.errors import CollectiveTimeoutError, MeshwiseError, TopologyError
+from meshwise.layout import Layout, dims_crossing_nodes, placement_warnings
 from meshwise.testing import DistributedFailure, run_command, run_distributed
-from meshwise.topology import (
-    Layout,
-    detect_environment,
-    dims_crossing_nodes,
-    expand_nodelist,
-    parse_tasks_per_node,
-    placement_warnings,
-)
+from meshwise.topology import group_selections
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -139,6 +135,15 @@ def test_detect_environment_for_each_launcher():
 # --------------------------------------------------------------------------- real process groups
 
 
+def _expected_groups(layout):
+    """The groups init makes, spelt out: each dim, then batch, metric, replica and all dims when 2+ dims."""
+    batch = tuple(d for d, r in zip(layout.dims, layout.roles) if r == "batch")
+    metric = tuple(d for d, r in zip(layout.dims, layout.roles) if r in ("batch", "split"))
+    replica = tuple(d for d, r in zip(layout.dims, layout.roles) if r == "replica")
+    several = [s for s in (batch, metric, replica, layout.dims) if len(s) >= 2]
+    return [(d,) for d in layout.dims] + [s for i, s in enumerate(several) if s not in several[:i]]
+
+
 def _check_groups(topo):
     """Every query of the topology against DeviceMesh and against real all_reduce sums."""
     layout = topo.layout
@@ -146,8 +151,14 @@ def _check_groups(topo):
     assert list(mesh.get_coordinate()) == [topo.coordinates()[d] for d in topo.dims]
     for d in topo.dims:
         assert mesh.get_local_rank(d) == topo.coordinate(d)
+    assert list(topo.group_dims) == _expected_groups(layout)
+    assert topo.group(topo.dims) is not None  # the world: the trainer's and evaluator's guard
     for n in range(1, len(topo.dims) + 1):
         for dims in itertools.combinations(topo.dims, n):
+            if dims not in topo.group_dims:  # not made at init: a named error, never a lazy collective creation
+                with pytest.raises(TopologyError, match=re.escape(f"meshwise.init(..., groups=[{dims!r}])")):
+                    topo.group(dims)
+                continue
             group = topo.group(dims)
             assert dist.get_process_group_ranks(group) == topo.group_ranks(dims) == layout.group_ranks(topo.rank, dims)
             value = torch.tensor([float(topo.rank + 1)])
@@ -167,6 +178,70 @@ def test_groups_on_gloo(mesh, roles, world):
     data_ranks = [r[0] for r in results]
     layout = Layout.resolve(mesh, world, roles)
     assert data_ranks == [layout.coordinate(r, layout.dims_with("batch")) for r in range(world)]
+
+
+def test_init_makes_only_the_groups_the_layers_use():
+    # 3 dims would make 4 flattened groups if every combination were made; here only metric and all dims.
+    layout = Layout.resolve({"dp": 2, "cp": 2, "tp": 2}, 8)
+    assert group_selections(layout) == [("dp",), ("cp",), ("tp",), ("dp", "cp"), ("dp", "cp", "tp")]
+    hsdp = Layout.resolve({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, 8)  # batch == metric: made once
+    assert group_selections(hsdp) == [
+        ("pp",),
+        ("dp_replicate",),
+        ("dp_shard",),
+        *[("dp_replicate", "dp_shard")],
+        hsdp.dims,
+    ]
+    assert group_selections(Layout.resolve({"dp": 4}, 4)) == [("dp",)]
+    # groups= adds a selection (any order of names: mesh order), once
+    assert group_selections(layout, [("tp", "cp"), ("cp", "tp"), "dp"])[-1] == ("cp", "tp")
+    assert len(group_selections(layout, [("tp", "cp"), ("cp", "tp"), "dp"])) == 6
+    for bad, fragment in [
+        ([("dp", "xx")], "groups entry ('dp', 'xx') is not a selection of mesh dims"),
+        ([()], "groups entry () is empty"),
+        ([("dp", "dp")], "repeat a name"),
+        ([7], "groups entry 7 is not a selection"),
+        ("cp", "is one string: pass a list of dim selections"),
+    ]:
+        with pytest.raises(TopologyError, match=re.escape(fragment)):
+            group_selections(layout, bad)
+
+
+def _groups_and_hooks():
+    calls = []
+    seen = {}
+
+    def started(topo):
+        calls.append("init")
+        seen["current at init"] = meshwise.current() is topo
+
+    def stopping(topo):
+        calls.append("shutdown")
+        seen["group alive at shutdown"] = dist.is_initialized() and meshwise.current() is topo
+
+    topology.on_init(started)
+    topology.on_init(started)  # registered once, whatever the number of calls
+    topology.on_init(lambda topo: calls.append("second"))
+    topology.on_shutdown(stopping)
+    topo = meshwise.init({"dp": 2, "cp": 1, "tp": 2}, timeout=20, groups=[("tp", "cp")])
+    assert calls == ["init", "second"]
+    made = topo.group_dims
+    value = torch.ones(1)
+    dist.all_reduce(value, group=topo.group(("cp", "tp")))
+    with pytest.raises(TopologyError) as info:
+        topo.submesh(("tp", "dp"))
+    meshwise.shutdown()
+    meshwise.shutdown()  # nothing left: no hook runs again
+    return calls, seen, made, value.item(), str(info.value)
+
+
+def test_groups_keyword_and_init_shutdown_hooks():
+    for calls, seen, made, total, message in run_distributed(_groups_and_hooks, 4, timeout=90):
+        assert calls == ["init", "second", "shutdown"]
+        assert seen == {"current at init": True, "group alive at shutdown": True}
+        assert made == (("dp",), ("cp",), ("tp",), ("dp", "cp"), ("dp", "cp", "tp"), ("cp", "tp"))
+        assert total == 2.0
+        assert message.startswith("no group for dims ('dp', 'tp')") and "groups=[('dp', 'tp')]" in message
 
 
 def _init_twice(topo):

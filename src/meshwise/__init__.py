@@ -2,58 +2,67 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from meshwise import debug as _debug
-from meshwise import topology as _topology
+from meshwise import debug, topology
 from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MeshwiseError
-from meshwise.topology import Topology, current
+from meshwise.topology import Topology, current, init, shutdown
+
+if TYPE_CHECKING:
+    from meshwise.checkpoint import Checkpointer
+    from meshwise.engine import create_evaluator, create_trainer
+    from meshwise.parallel import parallelize
 
 __version__ = "0.1.0"
+
+# The debug watchdog (layer 2) starts with every topology and stops before its process group goes. It is
+# registered here, once: the topology (layer 1) does not import the layers above it.
+topology.on_init(debug.attach)
+topology.on_shutdown(debug.detach)
 
 # Heavier layers load on first use, so `import meshwise` stays cheap for the launcher.
 _LAZY = {
     "parallelize": "meshwise.parallel",
     "create_trainer": "meshwise.engine",
-    "create_evaluator": "meshwise.evaluation",
+    "create_evaluator": "meshwise.engine",
     "Checkpointer": "meshwise.checkpoint",
+}
+_SUBMODULES = {
+    "data",
+    "metrics",
+    "parallel",
+    "engine",
+    "checkpoint",
+    "debug",
+    "plot",
+    "testing",
+    "layout",
+    "environment",
+    "topology",
+    "launch",
 }
 
 __all__ = [
+    "Checkpointer",
     "CollectiveError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "MeshwiseError",
     "Topology",
+    "__version__",
+    "create_evaluator",
+    "create_trainer",
     "current",
     "init",
+    "parallelize",
     "shutdown",
-    "__version__",
-    *_LAZY,
 ]
-
-
-@functools.wraps(_topology.init)
-def init(*args: Any, **kwargs: Any) -> Topology:
-    # The topology, then its watchdog (and, in debug mode, the fingerprinting of collectives): layer 8 on layer 1.
-    topo = _topology.init(*args, **kwargs)
-    _debug.attach(topo)
-    return topo
-
-
-def shutdown() -> None:
-    """Leave the process group that :func:`init` made (telling ranks that wait on this one); safe to call twice."""
-    topo = _topology.current()
-    if topo is not None:
-        _debug.detach(topo)
-    _topology.shutdown()
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in {"data", "metrics", "parallel", "engine", "evaluation", "checkpoint", "handlers", "plot", "testing"}:
+    if name in _SUBMODULES:
         return importlib.import_module(f"meshwise.{name}")
     raise AttributeError(f"module 'meshwise' has no attribute {name!r}")

@@ -7,8 +7,11 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
+from meshwise.environment import slurm_job, slurm_master_addr, slurm_master_port
 from meshwise.errors import MeshwiseError
-from meshwise.topology import Layout, slurm_job, slurm_master_addr, slurm_master_port
+from meshwise.layout import Layout
+
+__all__ = ["COMMANDS", "main", "parse_run_args"]
 
 _MULTI_NODE_HELP = """\
 several nodes (run the same command on every node; see README "Running on a cluster"):

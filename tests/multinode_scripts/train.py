@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshwise
-from meshwise.topology import PlacementWarning, dims_crossing_nodes, placement_warnings
+from meshwise.errors import PlacementWarning
+from meshwise.layout import dims_crossing_nodes, placement_warnings
 
 D, OUT, GLOBAL_BATCH, STEPS, LR, CLIP = 8, 4, 8, 4, 0.2, 0.5
 SAMPLES = GLOBAL_BATCH * STEPS

@@ -1,0 +1,337 @@
+"""The pure arithmetic of a mesh: dims, sizes and roles, which ranks sit where, and advice on node placement.
+
+Nothing here starts a process or touches ``torch.distributed``, so it also plans meshes for machines you
+do not have (``meshwise describe``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from meshwise.errors import TopologyError
+
+__all__ = [
+    "DEFAULT_ROLES",
+    "ROLES",
+    "Dims",
+    "Layout",
+    "dims_crossing_nodes",
+    "parse_mesh",
+    "parse_roles",
+    "placement_warnings",
+]
+
+ROLES = ("batch", "split", "replica", "stage")
+
+#: Default role of well-known mesh dimension names; any other name needs an explicit role.
+DEFAULT_ROLES: dict[str, str] = {
+    **dict.fromkeys(("dp", "ddp", "data_parallel", "dp_replicate", "dp_shard", "fsdp"), "batch"),
+    **dict.fromkeys(("cp", "sp", "context_parallel", "domain", "spatial"), "split"),
+    **dict.fromkeys(("tp", "tensor_parallel", "model_parallel"), "replica"),
+    **dict.fromkeys(("pp", "pipeline"), "stage"),
+}
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+Dims = str | Sequence[str]
+
+
+# --------------------------------------------------------------------------- mesh specification
+
+
+def parse_mesh(mesh: Mapping[str, int] | str | None) -> dict[str, int]:
+    """Parse ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"`` or ``None`` (read ``MESHWISE_MESH``, else ``dp=-1``)."""
+    if mesh is None:
+        mesh = os.environ.get("MESHWISE_MESH") or "dp=-1"
+    if isinstance(mesh, str):
+        items: list[tuple[str, int]] = []
+        for part in filter(None, (p.strip() for p in mesh.split(","))):
+            name, sep, value = part.partition("=")
+            try:
+                if not sep:
+                    raise ValueError
+                items.append((name.strip(), int(value)))
+            except ValueError:
+                raise TopologyError(
+                    f"cannot read mesh entry {part!r} in {mesh!r}: write name=size pairs separated by "
+                    "commas, e.g. 'dp=-1,tp=2'"
+                ) from None
+        names = [n for n, _ in items]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise TopologyError(f"mesh {mesh!r} names dim(s) {duplicates} more than once: give each dim one size")
+        mesh = dict(items)
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise TopologyError(f"mesh must be a non-empty mapping name -> size or a 'dp=-1,tp=2' string, got {mesh!r}")
+    out: dict[str, int] = {}
+    for name, size in mesh.items():
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise TopologyError(f"mesh dim name {name!r} is not an identifier: use letters, digits and '_'")
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise TopologyError(f"size of mesh dim {name!r} must be an int, got {size!r}")
+        out[name] = size
+    return out
+
+
+def parse_roles(roles: Mapping[str, str] | str | None) -> dict[str, str]:
+    """Parse ``{"x": "split"}`` or ``"x=split,y=replica"`` (or ``MESHWISE_ROLES`` when ``None``)."""
+    if roles is None:
+        roles = os.environ.get("MESHWISE_ROLES") or {}
+    if isinstance(roles, str):
+        pairs = [p.split("=", 1) for p in filter(None, (p.strip() for p in roles.split(",")))]
+        if any(len(p) != 2 for p in pairs):
+            raise TopologyError(f"cannot read roles {roles!r}: write name=role pairs, e.g. 'space=split'")
+        roles = {k.strip(): v.strip() for k, v in pairs}
+    return dict(roles)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The pure arithmetic of a mesh: dims, sizes and roles, and which ranks sit where.
+
+    Ranks are laid out row-major over ``dims`` (the last dim varies fastest), as DeviceMesh does.
+    Nothing here starts a process, so it also plans meshes for machines you do not have.
+    """
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+    roles: tuple[str, ...]
+
+    @classmethod
+    def resolve(
+        cls,
+        mesh: Mapping[str, int] | str | None,
+        world_size: int,
+        roles: Mapping[str, str] | str | None = None,
+    ) -> Layout:
+        """Validate a mesh spec against ``world_size``, infer the one ``-1`` size and assign roles."""
+        spec = parse_mesh(mesh)
+        explicit = parse_roles(roles)
+        unknown_dims = sorted(set(explicit) - set(spec))
+        if unknown_dims:
+            raise TopologyError(f"roles given for dim(s) {unknown_dims} that are not in the mesh {spec}: remove them")
+        resolved_roles = []
+        for name in spec:
+            role = explicit.get(name, DEFAULT_ROLES.get(name))
+            if role is None:
+                raise TopologyError(
+                    f"mesh dim {name!r} has no default role: pass roles={{{name!r}: ...}} with one of {ROLES} "
+                    f"(known names: {', '.join(sorted(DEFAULT_ROLES))})"
+                )
+            if role not in ROLES:
+                raise TopologyError(f"role {role!r} of mesh dim {name!r} is unknown: use one of {ROLES}")
+            resolved_roles.append(role)
+        stages = [n for n, r in zip(spec, resolved_roles) if r == "stage"]
+        if len(stages) > 1:
+            raise TopologyError(f"mesh has several 'stage' dims {stages}: declare one pipeline dim")
+
+        inferred = [n for n, s in spec.items() if s == -1]
+        if len(inferred) > 1:
+            raise TopologyError(f"mesh {spec} has -1 for {inferred}: only one size may be inferred; fix the others")
+        bad = {n: s for n, s in spec.items() if s == 0 or s < -1}
+        if bad:
+            raise TopologyError(f"mesh sizes must be positive (or one -1 to infer), got {bad}")
+        fixed = math.prod(s for s in spec.values() if s != -1)
+        if inferred:
+            if world_size % fixed:
+                raise TopologyError(
+                    f"world size {world_size} is not divisible by the fixed sizes of mesh {spec} "
+                    f"(product {fixed}): launch a multiple of {fixed} processes or change the sizes"
+                )
+            spec[inferred[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise TopologyError(
+                f"mesh {spec} holds {fixed} ranks but the world size is {world_size}: make the product of the "
+                f"sizes equal {world_size}, put -1 on one dim, or launch {fixed} processes"
+            )
+        return cls(tuple(spec), tuple(spec.values()), tuple(resolved_roles))
+
+    # ---- derived views
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def dims_with(self, *roles: str) -> tuple[str, ...]:
+        """The dims holding any of ``roles``, in mesh order."""
+        return tuple(d for d, r in zip(self.dims, self.roles) if r in roles)
+
+    def role(self, dim: str) -> str:
+        return self.roles[self.index(dim)]
+
+    def index(self, dim: str) -> int:
+        try:
+            return self.dims.index(dim)
+        except ValueError:
+            raise TopologyError(f"mesh has no dim {dim!r}: its dims are {self.dims}") from None
+
+    def normalize(self, dims: Dims) -> tuple[str, ...]:
+        """Dims as a tuple in mesh order; a string is one dim name."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        for d in names:
+            self.index(d)
+        if len(set(names)) != len(names):
+            raise TopologyError(f"dims {names} repeat a name")
+        return tuple(sorted(names, key=self.index))
+
+    def size(self, dims: Dims) -> int:
+        return math.prod(self.sizes[self.index(d)] for d in self.normalize(dims))
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index along every dim."""
+        if not 0 <= rank < self.world_size:
+            raise TopologyError(f"rank {rank} is outside the world of {self.world_size}")
+        out = {}
+        for dim, size in reversed(list(zip(self.dims, self.sizes))):
+            rank, out[dim] = divmod(rank, size)
+        return {d: out[d] for d in self.dims}
+
+    def coordinate(self, rank: int, dims: Dims) -> int:
+        """Index of ``rank`` along ``dims`` flattened row-major (mesh order)."""
+        coords = self.coordinates(rank)
+        index = 0
+        for d in self.normalize(dims):
+            index = index * self.sizes[self.index(d)] + coords[d]
+        return index
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for d, s in zip(self.dims, self.sizes):
+            rank = rank * s + coords[d]
+        return rank
+
+    def groups(self, dims: Dims) -> list[list[int]]:
+        """Every group of ranks that differ only along ``dims``, each ordered by coordinate over ``dims``."""
+        names = self.normalize(dims)
+        others = [d for d in self.dims if d not in names]
+        out = []
+        for fixed in itertools.product(*(range(self.sizes[self.index(d)]) for d in others)):
+            base = dict(zip(others, fixed))
+            ranks = []
+            for varying in itertools.product(*(range(self.sizes[self.index(d)]) for d in names)):
+                ranks.append(self.rank_of({**base, **dict(zip(names, varying))}))
+            out.append(ranks)
+        return out
+
+    def group_ranks(self, rank: int, dims: Dims) -> list[int]:
+        """The ranks in ``rank``'s group along ``dims``, ordered by coordinate over ``dims``."""
+        names = self.normalize(dims)
+        base = self.coordinates(rank)
+        return [
+            self.rank_of({**base, **dict(zip(names, varying))})
+            for varying in itertools.product(*(range(self.sizes[self.index(d)]) for d in names))
+        ]
+
+    def table(self, nodes: Sequence[int] | None = None, node_names: Sequence[str] | None = None) -> str:
+        """A plain-text table: rank -> coordinate -> data rank -> the group along each dim.
+
+        With ``nodes`` (each rank's node index) it adds a node column, says which dims' groups cross
+        nodes, and ends with any :func:`placement_warnings`.
+        """
+        if nodes is not None:
+            nodes = _check_nodes(self, nodes)
+        batch = self.dims_with("batch")
+        head = ["rank", *(["node"] if nodes is not None else [])]
+        head += [*(f"{d}({r})" for d, r in zip(self.dims, self.roles)), "data_rank"]
+        head += [f"{d} group" for d in self.dims]
+        rows = [head]
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            row = [str(rank), *([str(nodes[rank])] if nodes is not None else [])]
+            row += [*(str(c[d]) for d in self.dims), str(self.coordinate(rank, batch) if batch else 0)]
+            row += [",".join(map(str, self.group_ranks(rank, d))) for d in self.dims]
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        mesh = " x ".join(f"{d}={s}" for d, s in zip(self.dims, self.sizes))
+        summary = (
+            f"mesh {mesh} (world {self.world_size}); data dims {batch or '-'} "
+            f"(data size {self.size(batch) if batch else 1}); metric dims {self.dims_with('batch', 'split') or '-'}; "
+            f"replica dims {self.dims_with('replica') or '-'}"
+        )
+        if nodes is None:
+            return summary + "\n" + "\n".join(lines)
+        names = list(node_names or [])
+        per_node = []
+        for node in sorted(set(nodes)):
+            name = f" ({names[node]})" if node < len(names) else ""
+            per_node.append(f"node {node}{name}: ranks {_ranks_text([r for r, n in enumerate(nodes) if n == node])}")
+        crossing = dims_crossing_nodes(self, nodes)
+        summary += (
+            f"\n{len(set(nodes))} node(s): {'; '.join(per_node)}; dims whose groups cross nodes: {crossing or '-'}"
+        )
+        advice = [f"warning: {w}" for w in placement_warnings(self, nodes)]
+        return "\n".join([summary, *lines, *advice])
+
+
+# --------------------------------------------------------------------------- placement on nodes
+
+
+def _check_nodes(layout: Layout, nodes: Sequence[int]) -> list[int]:
+    out = [int(n) for n in nodes]
+    if len(out) != layout.world_size:
+        raise TopologyError(
+            f"{len(out)} node indices given for a mesh of {layout.world_size} ranks: give one node index per rank"
+        )
+    return out
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    parts: list[str] = []
+    for _, run in itertools.groupby(enumerate(ranks), key=lambda pair: pair[1] - pair[0]):
+        block = [r for _, r in run]
+        parts.append(str(block[0]) if len(block) == 1 else f"{block[0]}-{block[-1]}")
+    return ",".join(parts)
+
+
+def _spans_nodes(layout: Layout, dim: str, nodes: Sequence[int]) -> bool:
+    return any(len({nodes[r] for r in group}) > 1 for group in layout.groups(dim))
+
+
+def dims_crossing_nodes(layout: Layout, nodes: Sequence[int]) -> tuple[str, ...]:
+    """The dims whose groups hold ranks of more than one node (``nodes[r]`` is rank ``r``'s node)."""
+    nodes = _check_nodes(layout, nodes)
+    return tuple(d for d in layout.dims if _spans_nodes(layout, d, nodes))
+
+
+def placement_warnings(layout: Layout, nodes: Sequence[int]) -> list[str]:
+    """Advice for each ``replica`` or ``split`` dim whose groups cross nodes when declaring the ``batch`` dims
+    first (outermost) would keep those groups inside a node.
+
+    ``nodes[r]`` is the node of global rank ``r``. Launchers number ranks node by node and the mesh's last
+    dim varies fastest, so the last dims land inside a node: tensor-parallel all-reduces (every layer) and
+    halo exchanges belong there, while a batch dim's gradient reduction (once a step) can cross the network.
+    Pure arithmetic: :func:`meshwise.init` warns with these messages (:class:`PlacementWarning`) on rank 0.
+    """
+    nodes = _check_nodes(layout, nodes)
+    batch = layout.dims_with("batch")
+    if not batch or len(set(nodes)) < 2:
+        return []
+    order = [*batch, *(d for d in layout.dims if d not in batch)]
+    if tuple(order) == layout.dims:
+        return []  # batch dims already outermost: no reordering of this kind does better
+    reordered = Layout(
+        tuple(order), tuple(layout.sizes[layout.index(d)] for d in order), tuple(layout.role(d) for d in order)
+    )
+    spec = ",".join(f"{d}={reordered.sizes[i]}" for i, d in enumerate(order))
+    messages = []
+    for dim in layout.dims_with("replica", "split"):
+        if not _spans_nodes(layout, dim, nodes) or _spans_nodes(reordered, dim, nodes):
+            continue
+        role = layout.role(dim)
+        groups = layout.groups(dim)
+        reach = max(len({nodes[r] for r in g}) for g in groups)
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
+        messages.append(
+            f"mesh dim {dim!r} ({role}) crosses nodes: its groups {shown} reach up to {reach} nodes, so its "
+            f"collectives ({'every layer' if role == 'replica' else 'every halo exchange'}) go over the network, "
+            f"while batch dim(s) {list(batch)} could cross them instead (fewer, larger transfers). "
+            f"Declare the batch dims first, mesh '{spec}' (same roles), and each {dim!r} group stays on one node"
+        )
+    return messages
