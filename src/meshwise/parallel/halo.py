@@ -12,6 +12,8 @@ import torch.distributed as dist
 from meshwise.errors import ParallelError
 from meshwise.topology import Topology
 
+__all__ = ["halo_exchange", "pad_loaded_halo"]
+
 # (group ranks, ndim, axis, shape without the axis, halo) -> checked. Tile lengths are compared once per key.
 _CHECKED: set[tuple] = set()
 
