@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from meshwise.errors import CollectiveError, CollectiveTimeoutError
-from meshwise.topology import Dims, Layout, Topology
+from meshwise.layout import Dims, Layout
+from meshwise.topology import Topology
 
 __all__ = [
     "STORE_PREFIX",

@@ -19,8 +19,9 @@ from torchmetrics import Metric, MetricCollection
 
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
+from meshwise.layout import Dims
 from meshwise.metrics.sync import is_fused, leaves, replica_check, sync_failure, sync_states, to_cpu
-from meshwise.topology import Dims, Topology, resolve
+from meshwise.topology import Topology, resolve
 
 __all__ = ["MeshMetric", "Select", "compute_all", "filter_rows"]
 
