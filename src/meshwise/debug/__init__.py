@@ -3,8 +3,8 @@
 Collectives that go wrong name their mesh dims, roles, op, step, call site and missing ranks.
 :mod:`meshwise.debug.watchdog` knows what this rank is in (:func:`guarded`) and reports hangs with every
 rank's stacks; :mod:`meshwise.debug.fingerprint` is debug mode, which compares each collective's fingerprint
-across its group before it runs. ``meshwise.init`` calls :func:`attach` and ``meshwise.shutdown``
-:func:`detach`.
+across its group before it runs. :func:`attach` and :func:`detach` are registered once, in
+``meshwise/__init__.py``, as the topology's init and shutdown hooks (``meshwise.topology.on_init``/``on_shutdown``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __all__ = ["COLLECTIVE_OPS", "Call", "attach", "describe", "detach", "guarded", 
 
 
 def attach(topo: Topology) -> None:
-    """Start the watchdog for a new topology and, in debug mode, wrap the collectives (called by ``meshwise.init``)."""
+    """Start the watchdog for a new topology and, in debug mode, wrap the collectives (an init hook)."""
     start(topo)
     if topo.world_size > 1:
         atexit.register(_at_exit, topo)
@@ -28,7 +28,7 @@ def attach(topo: Topology) -> None:
 
 
 def detach(topo: Topology, how: str = "meshwise.shutdown()") -> None:
-    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (``meshwise.shutdown``)."""
+    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (a shutdown hook)."""
     atexit.unregister(_at_exit)
     uninstall()
     stop(topo, how)
