@@ -223,6 +223,7 @@ def test_checkpointing_keeps_the_best_by_a_metric_of_the_trainer(topo, tmp_path)
 
     import meshwise
     from meshwise.engine import Checkpointing
+    from meshwise.errors import CheckpointError
 
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -234,6 +235,8 @@ def test_checkpointing_keeps_the_best_by_a_metric_of_the_trainer(topo, tmp_path)
         engine.state.metrics["acc"] = scores[engine.state.epoch]
 
     ckpt = meshwise.Checkpointer(tmp_path, keep_last=1, keep_best=1, score="acc", mode="max")
+    with pytest.raises(CheckpointError, match="cannot checkpoint steps=int"):
+        Checkpointing(ckpt, every_epochs=1, model=model, steps=3)  # refused when built, not at the first save
     Checkpointing(ckpt, every_epochs=1, model=model, optimizer=opt).attach(trainer)
     trainer.run(_regression(8), max_epochs=4)
     ckpt.close()

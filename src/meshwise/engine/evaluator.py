@@ -115,9 +115,10 @@ def check_eval_loader(data: Any) -> None:
         return
     total = sampler.dataset_length
     seen = len(sampler) * sampler.global_batch_size if sampler.drop_last else total
+    how = "the last partial batch dropped" if sampler.drop_last else "the last batch padded"
     raise MetricError(
         f"the evaluator got a loader made with mode='train': it would evaluate {min(seen, total)} of {total} "
-        "samples in shuffled order, with the last partial batch dropped; make the evaluation loader with "
+        f"samples in shuffled order, {how}; make the evaluation loader with "
         "mesh_dataloader(..., mode='eval'), which yields every sample exactly once"
     )
 

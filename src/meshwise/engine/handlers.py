@@ -14,6 +14,7 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 
 from meshwise.checkpoint import Checkpointer
+from meshwise.checkpoint.state import classify
 from meshwise.debug import guarded
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
@@ -318,12 +319,7 @@ class Checkpointing:
                 raise CheckpointError(f"{name} must be a positive int, got {value!r}")
         if every_iterations is None and every_epochs is None and not resume:
             raise CheckpointError("Checkpointing needs every_iterations=, every_epochs= or resume=True")
-        for name, obj in objects.items():
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise CheckpointError(
-                    f"cannot checkpoint {name}={type(obj).__name__}: pass an nn.Module, an Optimizer, or an object "
-                    "with state_dict() and load_state_dict() (wrap plain values in such an object)"
-                )
+        classify(objects)  # the checkpointer's own check: fail at set-up, not at the first save
         self.checkpointer = checkpointer
         self.every_iterations, self.every_epochs, self.resume = every_iterations, every_epochs, resume
         self.objects = dict(objects)
