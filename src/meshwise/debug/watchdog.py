@@ -296,7 +296,9 @@ def timeout_error(
     try:
         store = default_store()
         info = _request(topo, store, head)
-        records = _records(store, info["n"], peers)
+        # Our own answer too: until our watchdog thread has answered with this call still open, a peer that
+        # fails at the same moment could be told we are in no collective (we would leave the call first).
+        records = _records(store, info["n"], [*peers, topo.rank])
     except (RuntimeError, dist.DistError) as exc:  # the store's host is gone: say so, and what we know
         return CollectiveTimeoutError(
             f"{head}. The other ranks could not be asked where they are: the rendezvous store is unreachable "
