@@ -156,6 +156,10 @@ class Layout:
     def world_size(self) -> int:
         return math.prod(self.sizes)
 
+    def dims_text(self) -> str:
+        """``dp=2 (batch), tp=2 (replica)``: every dim with its size and role, as error messages list them."""
+        return ", ".join(f"{d}={s} ({r})" for d, s, r in zip(self.dims, self.sizes, self.roles))
+
     def dims_with(self, *roles: str) -> tuple[str, ...]:
         """The dims holding any of ``roles``, in mesh order."""
         return tuple(d for d, r in zip(self.dims, self.roles) if r in roles)
