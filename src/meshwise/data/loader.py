@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import sys
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -18,9 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.parts import FieldPart, Replicate, Shard, as_dtensor, resolve_part
+from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
 from meshwise.data.sampler import MeshSampler
-from meshwise.data.sources import ArrayDataset, torch_dtype
+from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -98,6 +99,37 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
         return None
 
 
+def _warn_partial_reads(dataset: ArrayDataset, parts: Mapping[str, FieldPart], topology: Topology) -> None:
+    """One warning per field whose chunks are wider than a tile along a sharded axis: they are decoded whole."""
+    for name, part in parts.items():
+        source = dataset.sources[name]
+        chunks = getattr(source, "chunks", None)
+        if not chunks:
+            continue
+        wide = []
+        for dim, axis in part.placements:
+            if axis is None:
+                continue
+            tile = -(-part.sample_shape[axis] // topology.size(dim))
+            if chunks[axis + 1] > tile:
+                wide.append((axis, dim, tile))
+        if not wide:
+            continue
+        factor = read_factor(source, part.region)
+        better = list(chunks)
+        for axis, _, tile in wide:
+            better[axis + 1] = max(c for c in range(1, min(tile, 8) + 1) if tile % c == 0)
+        where = ", ".join(f"axis {a} ({tile} cells a tile over {d!r})" for a, d, tile in wide)
+        warnings.warn(
+            f"field {name!r}: its {source.kind} chunks {tuple(chunks)} are wider than a tile along sample {where}, "
+            f"and chunks are decoded whole: this rank reads {factor:.2f}x the bytes of its part. Rechunk, e.g. "
+            f"chunks={tuple(better)} (Zarr: keep one sample a file with shards=(1, *sample shape)), to read its part "
+            "only",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -119,7 +151,7 @@ class MeshDataLoader:
         mode: str = "train",
         seed: int = 0,
         drop_last: bool = True,
-        parts: Mapping[str, Shard | Replicate | list[Shard]] | None = None,
+        parts: Mapping[str, PartSpec] | Any = None,
         read: str = "each",
         num_workers: int = 0,
         prefetch_factor: int | None = None,
@@ -136,14 +168,16 @@ class MeshDataLoader:
         self.sampler = MeshSampler.from_topology(
             topology, len(dataset), global_batch_size, mode=mode, seed=seed, drop_last=drop_last
         )
-        parts = dict(parts or {})
+        parts = as_parts(parts, topology)  # a mapping, or a model that states its input_parts
         unknown = sorted(set(parts) - set(dataset.names))
         if unknown:
             raise DataError(f"parts names field(s) {unknown} that the dataset lacks; its fields are {dataset.names}")
         split = {d: (topology.coordinate(d), topology.size(d)) for d in topology.split_dims}
+        mesh = topology.layout.dims_text()
         self.parts: dict[str, FieldPart] = {
-            n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split) for n in dataset.names
+            n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split, mesh) for n in dataset.names
         }
+        _warn_partial_reads(dataset, self.parts, topology)
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1
         self.replica_rank = topology.coordinate(replica) if replica else 0
@@ -267,7 +301,7 @@ def mesh_dataloader(
     mode: str = "train",
     seed: int = 0,
     drop_last: bool = True,
-    parts: Mapping[str, Shard | Replicate | list[Shard]] | None = None,
+    parts: Mapping[str, PartSpec] | Any = None,
     read: str = "each",
     num_workers: int = 0,
     **kwargs: Any,

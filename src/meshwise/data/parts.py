@@ -10,12 +10,26 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from meshwise.errors import DataError
+from meshwise.topology import Topology, resolve
 
-__all__ = ["FieldPart", "Replicate", "Shard", "as_dtensor", "chunk_bounds", "resolve_part"]
+__all__ = [
+    "FieldPart",
+    "PartSpec",
+    "Replicate",
+    "Shard",
+    "as_dtensor",
+    "as_parts",
+    "chunk_bounds",
+    "from_placements",
+    "largest_halo",
+    "parts_of",
+    "resolve_part",
+]
 
 
 @dataclass(frozen=True)
@@ -87,13 +101,76 @@ class FieldPart:
         return batch_field[(slice(None), *self.interior)]
 
 
+def _tile_lengths(n: int, parts: int) -> list[int]:
+    return [b - a for a, b in (chunk_bounds(n, parts, i) for i in range(parts))]
+
+
+def largest_halo(n: int, parts: int) -> int:
+    """The largest halo allowed on ``n`` cells split ``parts`` ways: the smallest tile's length.
+
+    ``meshwise.parallel.halo_exchange`` allows the same largest halo (every tile must hold ``>= halo`` cells).
+    """
+    return min(_tile_lengths(n, parts))
+
+
+def _mesh_text(mesh: str) -> str:
+    return f" (mesh dims: {mesh})" if mesh else ""
+
+
+def _split_dim(name: str, shard: Shard, split: Mapping[str, tuple[int, int]], mesh: str) -> str:
+    """The split dim a ``Shard`` names (or the only one); a ``DataError`` that lists the mesh's dims otherwise."""
+    if not split:
+        raise DataError(
+            f"parts[{name!r}] shards axis {shard.axis}, but the mesh has no 'split' dim{_mesh_text(mesh)}: add one "
+            "(e.g. {'dp': -1, 'cp': 2}), declare roles={'<dim>': 'split'} for the dim whose ranks hold parts of "
+            "the same samples, or use Replicate()"
+        )
+    dim = shard.dim
+    if dim is None:
+        if len(split) > 1:
+            raise DataError(
+                f"parts[{name!r}]: the mesh has several split dims {tuple(split)}; say which one with "
+                f"Shard({shard.axis}, dim=...) for each"
+            )
+        return next(iter(split))
+    if dim not in split:
+        raise DataError(
+            f"parts[{name!r}]: Shard dim {dim!r} is not a split dim of the mesh "
+            f"({mesh or 'split dims: ' + ', '.join(split)}): "
+            f"name a split dim, or declare roles={{{dim!r}: 'split'}} if its ranks hold parts of the same samples"
+        )
+    return dim
+
+
+def _check_tiles(name: str, shard: Shard, dim: str, axis: int, n: int, size: int) -> None:
+    """Every rank along ``dim`` gets at least one cell and at least ``halo`` cells (same verdict on every rank)."""
+    lengths = _tile_lengths(n, size)
+    if min(lengths) == 0:
+        fit = max(k for k in range(1, size + 1) if min(_tile_lengths(n, k)) > 0)
+        raise DataError(
+            f"parts[{name!r}]: axis {axis} has {n} cells split {size} ways over {dim!r}: tiles of {lengths} cells, "
+            f"so some {dim!r} ranks would get zero cells; use at most {fit} {dim!r} ranks, a larger field, or "
+            f"shard another axis"
+        )
+    if shard.halo > min(lengths):
+        raise DataError(
+            f"parts[{name!r}]: halo {shard.halo} > the smallest tile ({min(lengths)} of {n} cells on axis {axis} "
+            f"split {size} ways over {dim!r}); the largest halo is {min(lengths)} (as for halo_exchange): use a "
+            f"smaller halo or fewer {dim!r} ranks"
+        )
+
+
 def resolve_part(
     name: str,
     spec: Shard | Replicate | Sequence[Shard] | None,
     sample_shape: Sequence[int],
     split: Mapping[str, tuple[int, int]],
+    mesh: str = "",
 ) -> FieldPart:
-    """The part of field ``name`` that the rank at ``split`` (dim -> (coordinate, size)) loads."""
+    """The part of field ``name`` that the rank at ``split`` (dim -> (coordinate, size)) loads.
+
+    ``mesh`` (``topology.layout.dims_text()``) is quoted by errors about a missing split dim.
+    """
     sample_shape = tuple(int(s) for s in sample_shape)
     full = tuple(slice(0, n) for n in sample_shape)
     if spec is None or isinstance(spec, Replicate):
@@ -104,25 +181,11 @@ def resolve_part(
             f"parts[{name!r}] = {spec!r}: give Shard(axis, halo=...), Replicate(), "
             "or a list of Shard (one per split dim)"
         )
-    if not split:
-        raise DataError(
-            f"parts[{name!r}] shards axis {shards[0].axis}, but the mesh has no 'split' dim: add one "
-            "(e.g. {'dp': -1, 'cp': 2}, or roles={'x': 'split'}) or use Replicate()"
-        )
     region = list(full)
     interior = list(full)
     placements = dict.fromkeys(split)
     for shard in shards:
-        dim = shard.dim
-        if dim is None:
-            if len(split) > 1:
-                raise DataError(
-                    f"parts[{name!r}]: the mesh has several split dims {tuple(split)}; say which one with "
-                    f"Shard({shard.axis}, dim=...) for each"
-                )
-            dim = next(iter(split))
-        if dim not in split:
-            raise DataError(f"parts[{name!r}]: Shard dim {dim!r} is not a split dim of the mesh {tuple(split)}")
+        dim = _split_dim(name, shard, split, mesh)
         if placements[dim] is not None:
             raise DataError(f"parts[{name!r}] shards over split dim {dim!r} twice: give one Shard per split dim")
         ndim = len(sample_shape)
@@ -136,19 +199,110 @@ def resolve_part(
             raise DataError(f"parts[{name!r}] shards sample axis {axis} over two split dims: use one dim per axis")
         coord, size = split[dim]
         n = sample_shape[axis]
-        if shard.halo:
-            smallest = min(b - a for a, b in (chunk_bounds(n, size, i) for i in range(size)))
-            if shard.halo >= smallest:
-                raise DataError(
-                    f"parts[{name!r}]: halo {shard.halo} >= the smallest part ({smallest} of {n} cells on axis {axis} "
-                    f"split {size} ways over {dim!r}): use a halo < {smallest} or fewer {dim!r} ranks"
-                )
+        _check_tiles(name, shard, dim, axis, n, size)
         start, stop = chunk_bounds(n, size, coord)
         lo, hi = max(0, start - shard.halo), min(n, stop + shard.halo)
         region[axis] = slice(lo, hi)
         interior[axis] = slice(start - lo, stop - lo)
         placements[dim] = axis
     return FieldPart(name, sample_shape, tuple(region), tuple(interior), tuple(placements.items()))
+
+
+PartSpec = Shard | Replicate | Sequence[Shard]
+
+
+def from_placements(
+    mesh: Any, placements: Sequence[Any], topology: Topology | None = None, *, halo: int | Mapping[str, int] = 0
+) -> list[Shard] | Replicate:
+    """Sample parts from the DTensor placements of a batched input ``[B, *sample]`` over ``mesh``.
+
+    ``mesh`` is a DeviceMesh with dim names or a sequence of names of the topology's dims, one per placement.
+    ``Shard(d)`` on a ``split`` dim becomes ``Shard(d - 1, dim=...)`` (tensor axis 0 is the batch); on a
+    ``batch`` dim only ``Shard(0)`` agrees with the sampler; ``Replicate()`` is allowed on ``split``,
+    ``replica`` and ``stage`` dims. ``halo`` (an int, or dim -> int) is added to each ``Shard``: the cells the
+    model's first layer needs from the neighbours. The tiles equal ``distribute_tensor(batch, mesh,
+    placements).to_local()``, uneven splits included.
+    """
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    topology = resolve(topology)
+    names = mesh if isinstance(mesh, (list, tuple, str)) else getattr(mesh, "mesh_dim_names", None)
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    placements = tuple(placements)
+    mesh_text = topology.layout.dims_text()
+    if not names or len(names) != len(placements):
+        raise DataError(
+            f"from_placements: {len(placements)} placements for mesh dims {names or 'with no names'}: give one "
+            f"placement per named mesh dim (mesh dims: {mesh_text})"
+        )
+    shards = []
+    for dim, p in zip(names, placements):
+        role = topology.roles.get(dim)
+        where = f"placement {p} on mesh dim {dim!r}"
+        if role is None:
+            raise DataError(f"from_placements: {where}: the topology has no dim {dim!r} (mesh dims: {mesh_text})")
+        if type(p) is DReplicate and role != "batch":
+            continue
+        if type(p) is not DShard:
+            raise DataError(
+                f"from_placements: {where} (role {role!r}): an input is given as Shard(d) on split dims, Shard(0) on "
+                f"batch dims, Replicate() elsewhere (mesh dims: {mesh_text})"
+            )
+        if role == "batch":
+            if p.dim != 0:
+                raise DataError(
+                    f"from_placements: {where} (role 'batch'): batch dims give ranks different samples, so only "
+                    f"Shard(0) fits; to split cells declare roles={{{dim!r}: 'split'}} (mesh dims: {mesh_text})"
+                )
+            continue
+        if role != "split":
+            raise DataError(
+                f"from_placements: {where} has role {role!r}: its ranks read the same samples whole, so a Shard on "
+                f"it would leave every tile wrong; if its ranks hold parts of the same samples, declare "
+                f"roles={{{dim!r}: 'split'}} (mesh dims: {mesh_text})"
+            )
+        if p.dim == 0:
+            raise DataError(
+                f"from_placements: {where}: tensor axis 0 is the batch, which the sampler splits over batch dims; "
+                f"shard a sample axis (Shard(d) with d >= 1)"
+            )
+        h = halo.get(dim, 0) if isinstance(halo, Mapping) else halo
+        shards.append(Shard(p.dim - 1 if p.dim > 0 else p.dim, halo=h, dim=dim))
+    return shards or Replicate()
+
+
+def parts_of(model: Any, topology: Topology | None = None) -> dict[str, PartSpec]:
+    """The sample parts a model asks for: its ``input_parts`` (an attribute, property or method with no argument).
+
+    ``input_parts`` maps field -> ``Shard``/``Replicate``/list of ``Shard``, or ``(mesh, placements)`` /
+    ``(mesh, placements, halo)`` DTensor placements (see :func:`from_placements`). Wrappers that keep the model
+    in ``.module`` (DDP) or ``._orig_mod`` (``torch.compile``) are looked through.
+    """
+    inner = model
+    while not hasattr(inner, "input_parts") and (hasattr(inner, "module") or hasattr(inner, "_orig_mod")):
+        inner = getattr(inner, "module", None) or inner._orig_mod
+    spec = getattr(inner, "input_parts", None)
+    if spec is None:
+        raise DataError(
+            f"{type(model).__name__} states no input_parts: give the model an attribute or property input_parts = "
+            "{field: Shard(axis, halo=...) | Replicate() | (mesh, placements)}, or pass parts={...} to the loader"
+        )
+    return as_parts(spec() if callable(spec) else spec, topology)
+
+
+def as_parts(parts: Any, topology: Topology | None = None) -> dict[str, PartSpec]:
+    """``parts`` as given to ``mesh_dataloader`` (a mapping, or a model with ``input_parts``) as meshwise specs."""
+    if parts is None:
+        return {}
+    if not isinstance(parts, Mapping):
+        return parts_of(parts, topology)
+    out: dict[str, PartSpec] = {}
+    for name, spec in parts.items():
+        if isinstance(spec, tuple) and len(spec) in (2, 3) and not isinstance(spec[0], Shard):
+            spec = from_placements(spec[0], spec[1], topology, halo=spec[2] if len(spec) == 3 else 0)
+        out[name] = spec
+    return out
 
 
 def as_dtensor(batch_field: torch.Tensor, part: FieldPart, topology, strip_halo: bool = True):
@@ -169,7 +323,10 @@ def as_dtensor(batch_field: torch.Tensor, part: FieldPart, topology, strip_halo:
     local = part.strip_halo(batch_field) if part.has_halo else batch_field
     dims = tuple(d for d, _ in part.placements)
     if not dims:
-        raise DataError("as_dtensor needs a mesh with a 'split' dim; this topology has none")
+        raise DataError(
+            f"as_dtensor needs a mesh with a 'split' dim; this one has none ({topology.layout.dims_text()}): "
+            "declare roles={'<dim>': 'split'} for the dim whose ranks hold parts of the same samples"
+        )
     mesh = topology.mesh[dims] if len(dims) > 1 else topology.mesh[dims[0]]
     placements = [DReplicate() if a is None else DShard(a + 1) for _, a in part.placements]
     shape = (batch_field.shape[0], *part.sample_shape)

@@ -27,6 +27,7 @@ __all__ = [
     "ZarrSource",
     "as_source",
     "chunk_bytes",
+    "read_factor",
     "torch_dtype",
 ]
 
@@ -221,6 +222,39 @@ class HDF5Source(Source):
         return len(idx) * math.prod(s.stop - s.start for s in region) * self.dtype.itemsize
 
 
+def _zarr_source(name: str, node: Any, where: str) -> Source:
+    """A Zarr array as a source; a Zarr group is a ``DataError`` that names its arrays."""
+    import zarr
+
+    if isinstance(node, zarr.Group):
+        arrays = sorted(node.array_keys())
+        hint = f"pass group[{arrays[0]!r}] or the folder {where}/{arrays[0]}" if arrays else "it holds no arrays"
+        raise DataError(f"field {name!r}: {where} is a Zarr group (arrays: {arrays}), not an array: {hint}")
+    return ZarrSource(node)
+
+
+def _path_source(name: str, value: str | os.PathLike) -> Source:
+    path = Path(value)
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (relative to the working directory {os.getcwd()})"
+        raise DataError(f"field {name!r}: the path {str(value)!r} does not exist{where}: check the path")
+    if path.suffix == ".npy":
+        return NumpySource(path=path)
+    if path.is_dir() and any((path / m).exists() for m in ("zarr.json", ".zarray", ".zgroup")):
+        import zarr
+
+        return _zarr_source(name, zarr.open(str(path), mode="r"), repr(str(value)))
+    if path.suffix in (".h5", ".hdf5", ".hdf"):
+        raise DataError(
+            f"field {name!r}: {str(value)!r} is an HDF5 file, which holds several datasets: pass "
+            "h5py.File(path, 'r')['<dataset>']"
+        )
+    raise DataError(
+        f"field {name!r}: cannot read {value!r}; give a .npy path, a Zarr array folder, a numpy array, "
+        "a torch tensor, a zarr.Array or an h5py.Dataset"
+    )
+
+
 def as_source(name: str, value: Any) -> Source:
     """Wrap one field's array-like as a :class:`Source` (see :class:`ArrayDataset`)."""
     if isinstance(value, Source):
@@ -230,26 +264,38 @@ def as_source(name: str, value: Any) -> Source:
     if isinstance(value, np.ndarray):
         return NumpySource(value)
     if isinstance(value, (str, os.PathLike)):
-        path = Path(value)
-        if path.suffix == ".npy":
-            return NumpySource(path=path)
-        if path.is_dir() and ((path / "zarr.json").exists() or (path / ".zarray").exists()):
-            import zarr
-
-            return ZarrSource(zarr.open_array(str(path), mode="r"))
-        raise DataError(
-            f"field {name!r}: cannot read {value!r}; give a .npy path, a Zarr array folder, a numpy array, "
-            "a torch tensor, a zarr.Array or an h5py.Dataset"
-        )
+        return _path_source(name, value)
     module = type(value).__module__
     if module.startswith("zarr"):
-        return ZarrSource(value)
+        return _zarr_source(name, value, "the object passed")
     if module.startswith("h5py"):
+        import h5py
+
+        if isinstance(value, h5py.Group):
+            keys = sorted(value.keys())
+            raise DataError(
+                f"field {name!r}: HDF5 {value.name!r} is a group (members: {keys}), not a dataset: pass "
+                f"group[{keys[0] if keys else '<dataset>'!r}]"
+            )
         return HDF5Source(value)
     raise DataError(
         f"field {name!r} has type {type(value).__name__}: give a numpy array, a .npy path, a torch tensor, "
         "a zarr.Array or an h5py.Dataset"
     )
+
+
+def read_factor(source: Source, region: Sequence[slice]) -> float:
+    """Bytes a read of ``region`` of one sample takes from storage over the region's own bytes (1.0: no waste).
+
+    Only chunked sources (Zarr, chunked HDF5) waste: their chunks are decoded whole. Axis 0 (samples) is left out.
+    """
+    chunks = getattr(source, "chunks", None)
+    cells = math.prod(s.stop - s.start for s in region)
+    if not chunks or not cells:
+        return 1.0
+    itemsize = np.dtype(source.dtype).itemsize
+    shape = (1, *source.shape[1:])
+    return chunk_bytes(shape, (1, *chunks[1:]), np.zeros(1, np.int64), region, itemsize) / (cells * itemsize)
 
 
 class ArrayDataset:

@@ -6,10 +6,13 @@ Used for domain-parallel convolution, because DTensor's sharded convolution is w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from meshwise.errors import ParallelError
+from meshwise.layout import Dims
 from meshwise.topology import Topology
 
 __all__ = ["halo_exchange", "pad_loaded_halo"]
@@ -112,8 +115,33 @@ def _check_lengths(x: torch.Tensor, topology: Topology, dim: str, axis: int, hal
     _CHECKED.add(key)
 
 
+def _per_dim(dim: Dims, axis: int | Sequence[int], halo: int | Sequence[int]) -> list[tuple[str, int, int]]:
+    """``(dim, axis, halo)`` triples: one dim, or one entry per dim when several split dims shard several axes."""
+    if isinstance(dim, str):
+        if not isinstance(axis, int) or not isinstance(halo, int):
+            raise ParallelError(
+                f"halo_exchange: one dim {dim!r} takes one axis and one halo (ints), got axis={axis!r}, halo={halo!r}"
+            )
+        return [(dim, axis, halo)]
+    dims = list(dim)
+    axes = [axis] * len(dims) if isinstance(axis, int) else list(axis)
+    halos = [halo] * len(dims) if isinstance(halo, int) else list(halo)
+    if not dims or len(axes) != len(dims) or len(halos) != len(dims):
+        raise ParallelError(
+            f"halo_exchange: dims {dims} need one axis and one halo each (or one halo for all), got axis={axis!r}, "
+            f"halo={halo!r}: e.g. dim=('x', 'y'), axis=(-2, -1), halo=1"
+        )
+    if len(set(dims)) != len(dims):
+        raise ParallelError(f"halo_exchange: dims {dims} repeat a dim: give each split dim once")
+    return list(zip(dims, axes, halos))
+
+
 def halo_exchange(
-    x: torch.Tensor, topology: Topology, dim: str = "domain", axis: int = -1, halo: int = 1
+    x: torch.Tensor,
+    topology: Topology,
+    dim: Dims = "domain",
+    axis: int | Sequence[int] = -1,
+    halo: int | Sequence[int] = 1,
 ) -> torch.Tensor:
     """Pad the local tile ``x`` along ``axis`` with ``halo`` cells from each neighbour along the split dim ``dim``.
 
@@ -125,8 +153,21 @@ def halo_exchange(
     owners and adds them to their edge cells. Every rank along ``dim`` must call it with the same ``halo``,
     ``axis`` and the other axes' sizes; tiles may differ in length (uneven splits) but each needs ``>= halo``
     cells. Communication: point-to-point send/recv with the two neighbours on ``topology.group(dim)``.
+
+    Several split dims at once (a grid of tiles): ``dim=("x", "y"), axis=(-2, -1), halo=1`` (or one halo per
+    dim). The exchanges run one dim after the other, each on the tile already padded by the previous ones, so
+    the corner cells (diagonal neighbours) arrive too, in two hops.
     """
-    axis, halo = _check(x, topology, dim, axis, halo)
+    triples = _per_dim(dim, axis, halo)
+    checked = [(d, *_check(x, topology, d, a, h)) for d, a, h in triples]
+    if len({a for _, a, _ in checked}) != len(checked):
+        raise ParallelError(f"halo_exchange: axes {[a for _, a, _ in triples]} repeat an axis: one axis per dim")
+    for d, a, h in checked:
+        x = _exchange_one(x, topology, d, a, h)
+    return x
+
+
+def _exchange_one(x: torch.Tensor, topology: Topology, dim: str, axis: int, halo: int) -> torch.Tensor:
     if halo == 0:
         return x
     _check_lengths(x, topology, dim, axis, halo)
@@ -138,17 +179,22 @@ def halo_exchange(
 
 
 def pad_loaded_halo(
-    x: torch.Tensor, topology: Topology, dim: str = "domain", axis: int = -1, halo: int = 1
+    x: torch.Tensor,
+    topology: Topology,
+    dim: Dims = "domain",
+    axis: int | Sequence[int] = -1,
+    halo: int | Sequence[int] = 1,
 ) -> torch.Tensor:
     """Complete a tile that the loader read with ``halo`` neighbour cells at its interior edges (``Shard(axis, halo)``).
 
     The loader reads no cells beyond the global border, so the first and last tiles along ``dim`` get ``halo``
     zeros there instead; the result then equals ``halo_exchange`` of the interior tile, with no communication.
+    Several dims and axes as for :func:`halo_exchange`.
     """
-    axis, halo = _check(x, topology, dim, axis, halo)
-    i, k = topology.coordinate(dim), topology.size(dim)
-    left, right = (halo if i == 0 else 0), (halo if i == k - 1 else 0)
-    if not (left or right):
-        return x
-    pad = [0, 0] * (x.ndim - 1 - axis) + [left, right]
-    return torch.nn.functional.pad(x, pad)
+    for d, a, h in _per_dim(dim, axis, halo):
+        a, h = _check(x, topology, d, a, h)
+        i, k = topology.coordinate(d), topology.size(d)
+        left, right = (h if i == 0 else 0), (h if i == k - 1 else 0)
+        if left or right:
+            x = torch.nn.functional.pad(x, [0, 0] * (x.ndim - 1 - a) + [left, right])
+    return x
