@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from meshwise.environment import slurm_job, slurm_master_addr, slurm_master_port
@@ -90,11 +92,18 @@ def _run(argv: Sequence[str]) -> int:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from meshwise.debug.crash import INDEX_VARIABLE, reports_note
+
+    # Each rank names its crash report here, so a rank that gloo aborts (no Python exception) is pointed to.
+    index = tempfile.mkdtemp(prefix="meshwise-reports-")
+    os.environ[INDEX_VARIABLE] = index
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
-        print(exc.format_msg(), file=sys.stderr)
+        print(exc.format_msg() + reports_note(index), file=sys.stderr)
         return 1
+    finally:
+        shutil.rmtree(index, ignore_errors=True)
     return 0
 
 

@@ -7,10 +7,12 @@ traceback is re-raised, labelled with its rank and mesh coordinate; no process o
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -143,7 +145,11 @@ def _child(
         current = meshwise.current()
         if current is not None:
             label = current.label()
-        results.put((rank, "error", label, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        from meshwise.debug.watchdog import leave_report
+
+        leave_report(text)  # this rank's crash report (its last guarded calls) stays, with the traceback
+        results.put((rank, "error", label, text))
         results.close()
         results.join_thread()  # the message must leave before the process does
         sys.stdout.flush()
@@ -176,6 +182,8 @@ def run_distributed(
 
     from torch.distributed import TCPStore
 
+    from meshwise.debug.crash import INDEX_VARIABLE, reports_note
+
     ctx = _context()
     results = ctx.Queue()
     # The store lives here, as torchrun's agent hosts it: a rank that exits (rank 0 included) leaves it to the others.
@@ -183,7 +191,8 @@ def run_distributed(
         "127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
     )
     port = store.port
-    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", **(env or {})}
+    index = tempfile.mkdtemp(prefix="meshwise-reports-")  # where each rank names its crash report
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", INDEX_VARIABLE: index, **(env or {})}
     if "MESHWISE_RUN_DIR" not in env and "MESHWISE_RUN_DIR" not in os.environ:  # hang reports of tests: not in cwd
         env["MESHWISE_RUN_DIR"] = os.path.join(tempfile.gettempdir(), "meshwise-run-distributed")
     procs = [
@@ -198,10 +207,14 @@ def run_distributed(
         p.start()
     try:
         return _collect(procs, results, timeout)
+    except DistributedFailure as exc:
+        _reap(procs)
+        raise DistributedFailure(f"{exc}{reports_note(index)}") from None
     finally:
         _reap(procs)
         results.close()
         del store
+        shutil.rmtree(index, ignore_errors=True)
 
 
 def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
@@ -222,7 +235,7 @@ def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
                     rank, status, label, payload = results.get(timeout=0.5)
                 except queue.Empty:
                     r = dead[0]
-                    failure = (r, f"rank {r}", f"process died with exit code {procs[r].exitcode}")
+                    failure = (r, f"rank {r}", f"process died: {_exit_text(procs[r].exitcode)}")
                     break
             elif time.monotonic() > deadline:
                 missing = [r for r in range(nprocs) if r not in outputs]
@@ -240,6 +253,13 @@ def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
         rank, label, text = failure
         raise DistributedFailure(f"{label} of {nprocs} failed:\n{text}")
     return [outputs[r] for r in range(nprocs)]
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def _reap(procs: Sequence[Any]) -> None:

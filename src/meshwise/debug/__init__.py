@@ -10,6 +10,8 @@ across its group before it runs. :func:`attach` and :func:`detach` are registere
 from __future__ import annotations
 
 import atexit
+import sys
+import traceback
 
 from meshwise.debug.fingerprint import COLLECTIVE_OPS, install, uninstall
 from meshwise.debug.watchdog import Call, describe, guarded, start, stop
@@ -27,13 +29,19 @@ def attach(topo: Topology) -> None:
         install(topo)
 
 
-def detach(topo: Topology, how: str = "meshwise.shutdown()") -> None:
-    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (a shutdown hook)."""
+def detach(topo: Topology, how: str = "meshwise.shutdown()", failure: str | None = None) -> None:
+    """Leave an exit record for ranks that wait on this one, stop the watchdog, unwrap (a shutdown hook).
+
+    The rank's crash report (:mod:`meshwise.debug.crash`) is deleted, or kept with ``failure`` (a traceback).
+    """
     atexit.unregister(_at_exit)
     uninstall()
-    stop(topo, how)
+    stop(topo, how, failure)
 
 
 def _at_exit(topo: Topology) -> None:
-    # A script that ends without meshwise.shutdown() still tells the ranks waiting on it that it has left.
-    detach(topo, "the process exited without meshwise.shutdown()")
+    # A script that ends without meshwise.shutdown() still tells the ranks waiting on it that it has left; one
+    # that ends on an uncaught exception (Python sets sys.last_value before atexit) keeps its crash report.
+    exc = getattr(sys, "last_value", None)
+    failure = None if exc is None else "".join(traceback.format_exception(exc))
+    detach(topo, "the process exited without meshwise.shutdown()", failure)

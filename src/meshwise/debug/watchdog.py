@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise.debug.crash import CrashRecord, crash_report, summary
 from meshwise.errors import CollectiveError, CollectiveTimeoutError
 from meshwise.layout import Dims, Layout
 from meshwise.topology import Topology
@@ -41,6 +42,7 @@ __all__ = [
     "describe",
     "guarded",
     "innermost",
+    "leave_report",
     "rank_label",
     "start",
     "stop",
@@ -202,6 +204,7 @@ def guarded(
     where = ", ".join(f"{d} ({topo.roles[d]})" for d in names)
     call = Call(names, tuple(ranks), where, op, _shapes(tensor), step, seq, region, _caller())
     _OPEN.append(call)
+    _note()
     try:
         if topo.debug if check is None else check:
             # fingerprint.py builds on this module (its wrappers run inside guarded), so it is looked up here
@@ -217,6 +220,18 @@ def guarded(
         _OPEN.remove(call)
         call.finish()
         _LAST[0] = call
+        _note()
+
+
+def _note() -> None:
+    """Copy what this rank is in to its crash report's head, which outlives a process that gloo aborts."""
+    record = _RECORD[0]
+    if record is not None:
+        last = _LAST[0]
+        record.write(
+            "open collectives: " + ("; ".join(describe(c.record()) for c in _OPEN) or "none"),
+            "last finished: " + ("none" if last is None else describe(last.record())),
+        )
 
 
 def _is_collective_failure(exc: BaseException) -> bool:
@@ -316,7 +331,8 @@ def timeout_error(
                 notes.append(f"{rank_label(topo.layout, r)} arrived with another call: {describe(same[0])}")
             continue
         absent.append(r)
-        notes.append(f"{rank_label(topo.layout, r)} {_whereabouts(state, record)}")
+        crashed = crash_report(store, r) if record is None else None
+        notes.append(f"{rank_label(topo.layout, r)} {_whereabouts(state, record, crashed)}")
     if absent:
         text = f"{head}; ranks {absent} did not arrive"
     else:
@@ -332,11 +348,14 @@ _ADVICE = (
 )
 
 
-def _whereabouts(state: str, record: dict[str, Any] | None) -> str:
+def _whereabouts(state: str, record: dict[str, Any] | None, crashed: tuple[str, str] | None = None) -> str:
+    if record is None and crashed is not None and "Fatal Python error" in crashed[1]:  # e.g. gloo aborted it
+        return f"died without a Python exception ({summary(crashed[1])}); its report and stacks: {crashed[0]}"
     if record is None:
+        seen = f" (its report: {summary(crashed[1])}; {crashed[0]})" if crashed is not None else ""
         return (
             "did not answer and left no exit record: its process was killed or ended without meshwise.shutdown(), "
-            "or it is busy without releasing the GIL"
+            "or it is busy without releasing the GIL" + seen
         )
     last = record.get("last")
     after = f" after {describe(last)}" if last else " and has made none yet"
@@ -457,6 +476,7 @@ class _Watchdog:
 
 
 _WATCHDOG: list[_Watchdog | None] = [None]
+_RECORD: list[CrashRecord | None] = [None]
 
 
 def start(topo: Topology) -> None:
@@ -466,10 +486,24 @@ def start(topo: Topology) -> None:
     _LAST[0] = None
     if topo.world_size > 1:
         _WATCHDOG[0] = _Watchdog(topo)
+        with contextlib.suppress(OSError):  # no report file (a read-only run folder) must not stop a run
+            _RECORD[0] = CrashRecord(topo, default_store())
 
 
-def stop(topo: Topology, how: str) -> None:
-    """Leave an exit record saying ``how`` this rank left (read by ranks that wait on it), stop the watchdog."""
+def leave_report(failure: str | None) -> str | None:
+    """Close this rank's crash report: deleted on a clean end (``failure`` None), else kept with ``failure``
+    (a Python traceback) after its head. The path of a kept report, else None."""
+    record, _RECORD[0] = _RECORD[0], None
+    if record is None:
+        return None
+    record.close(failure)
+    return None if failure is None else str(record.path)
+
+
+def stop(topo: Topology, how: str, failure: str | None = None) -> None:
+    """Leave an exit record saying ``how`` this rank left (read by ranks that wait on it), stop the watchdog;
+    keep the crash report with ``failure`` (a traceback) when the process is ending on an exception."""
+    leave_report(failure)
     watchdog, _WATCHDOG[0] = _WATCHDOG[0], None
     if watchdog is None:
         return
