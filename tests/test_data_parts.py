@@ -104,8 +104,8 @@ def test_border_policy_and_two_split_dims():
 
 
 def test_bad_parts():
-    with pytest.raises(DataError, match=r"halo 2 >= the smallest part \(2 of 14"):
-        resolve_part("x", Shard(1, halo=2), SHAPE, {"cp": (0, 4)})
+    with pytest.raises(DataError, match=r"halo 3 > the smallest tile \(2 of 14"):
+        resolve_part("x", Shard(1, halo=3), SHAPE, {"cp": (0, 4)})
     with pytest.raises(DataError, match="axis 3 is out of range"):
         resolve_part("x", Shard(3), SHAPE, {"cp": (0, 2)})
     with pytest.raises(DataError, match="no 'split' dim"):

@@ -1,10 +1,15 @@
-"""Train HeatNet on the heat-diffusion data set, the field sharded over ``domain`` and the samples over ``dp``.
+"""Train HeatNet on the heat-diffusion data set, the field sharded over the split dims and the samples over ``dp``.
 
     python examples/domain/generate.py --out data/heat
     meshwise run --nproc-per-node 4 --mesh dp=-1,domain=2 examples/domain/train.py --data data/heat
+    python examples/domain/generate.py --out data/heat3d --spatial 3 --size 32          # 3-D volumes
+    meshwise run --nproc-per-node 4 --mesh dp=-1,x=2,y=2 --roles x=split,y=split examples/domain/train.py \
+        --data data/heat3d                                                               # a 2 x 2 grid of tiles
 
-Each rank reads only its tile of columns (plus the halo the first conv needs) from Zarr; every conv exchanges
-halo cells with the neighbouring tiles; loss and metrics are means over every cell of the global batch.
+The split dims shard the last spatial axes (one dim: the width; x, y: height and width). The model states its
+parts (``HeatNet.input_parts``) and the loader takes them from it (``parts=model``): each rank reads only its
+tile (plus the halo the first conv needs) from Zarr; every conv exchanges halo cells with the neighbouring tiles,
+corners included; loss and metrics are means over every cell of the global batch.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from ignite.engine import Events
 
 import meshwise
-from meshwise.data import ArrayDataset, Shard, mesh_dataloader
+from meshwise.data import ArrayDataset, mesh_dataloader
 from meshwise.metrics import MeanLoss, MeshMetric
 
 HERE = Path(__file__).resolve().parent
@@ -62,21 +67,24 @@ def build(
     depth: int = 4,
     lr: float = 1e-3,
     seed: int = 0,
-    dim: str = "domain",
+    dim: str | tuple[str, ...] | None = None,
     load_halo: bool = True,
 ):
-    """Model (sharded, data parallel over dp+domain), optimizer, train loader, trainer and evaluator on ``topo``.
+    """Model (sharded, data parallel over dp + split dims), optimizer, train loader, trainer and evaluator on ``topo``.
 
-    The input is loaded with ``Shard(axis=2, halo=halo)`` (sample axes are C, H, W: axis 2 is the width), so the
-    first conv uses the loaded halo cells and needs no exchange; the target is loaded without a halo.
+    ``dim`` (default: every split dim of ``topo``) shards the last spatial axes, one each. The loader takes its
+    parts from the model: the input with ``halo`` loaded cells at interior edges (so the first conv needs no
+    exchange), the target without.
     """
+    dims = tuple(topo.split_dims) if dim is None else ((dim,) if isinstance(dim, str) else tuple(dim))
+    spatial = len(dataset.sample_shape("input")) - 1
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = domain_model.HeatNet(domain_model.HeatNetConfig(width=width, depth=depth, halo=halo))
-    model.shard(topo, dim, axis=-1, input_halo=halo if load_halo else 0)
+    config = domain_model.HeatNetConfig(width=width, depth=depth, halo=halo, spatial=spatial)
+    model = domain_model.HeatNet(config)
+    model.shard(topo, dims, axis=tuple(range(-len(dims), 0)), input_halo=halo if load_halo else 0)
     model = meshwise.parallelize(model, topo, dp="replicate")
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
-    parts = {"input": Shard(2, halo=halo if load_halo else 0, dim=dim), "target": Shard(2, dim=dim)}
-    loader = mesh_dataloader(dataset, topo, global_batch_size=global_batch_size, seed=seed, parts=parts)
+    loader = mesh_dataloader(dataset, topo, global_batch_size=global_batch_size, seed=seed, parts=model)
     # loss_weight="tokens": each rank's mean is weighted by its cells, so the global loss is the mean over all
     # cells of all samples, whatever the tile sizes; gradients are summed over domain and averaged over dp.
     trainer = meshwise.create_trainer(model, optimizer, mse, topo, loss_weight="tokens")
@@ -104,22 +112,17 @@ def main(argv: list[str] | None = None, topology=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="data/heat", help="folder written by generate.py")
     parser.add_argument("--mesh", default=None, help="e.g. dp=-1,domain=2 (default: MESHWISE_MESH or that)")
+    parser.add_argument("--roles", default=None, help="e.g. x=split,y=split (default: MESHWISE_ROLES)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch", type=int, default=8, help="global batch size (samples)")
     parser.add_argument("--halo", type=int, default=1, help="halo cells; the kernel is 2*halo+1")
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
 
-    topo = topology or meshwise.init(args.mesh or os.environ.get("MESHWISE_MESH") or "dp=-1,domain=2")
+    topo = topology or meshwise.init(args.mesh or os.environ.get("MESHWISE_MESH") or "dp=-1,domain=2", roles=args.roles)
     train_set, eval_set = open_dataset(args.data, "train"), open_dataset(args.data, "test")
     model, _, loader, trainer, evaluator = build(topo, train_set, global_batch_size=args.batch, halo=args.halo)
-    eval_loader = mesh_dataloader(
-        eval_set,
-        topo,
-        global_batch_size=args.batch,
-        mode="eval",
-        parts={"input": Shard(2, halo=args.halo), "target": Shard(2)},
-    )
+    eval_loader = mesh_dataloader(eval_set, topo, global_batch_size=args.batch, mode="eval", parts=model)
     start = time.perf_counter()
 
     @trainer.on(Events.ITERATION_COMPLETED(every=10))

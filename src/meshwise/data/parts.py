@@ -239,7 +239,7 @@ def from_placements(
     shards = []
     for dim, p in zip(names, placements):
         role = topology.roles.get(dim)
-        where = f"placement {p} on mesh dim {dim!r}"
+        where = f"placement {type(p).__name__} ({p}) on mesh dim {dim!r}"
         if role is None:
             raise DataError(f"from_placements: {where}: the topology has no dim {dim!r} (mesh dims: {mesh_text})")
         if type(p) is DReplicate and role != "batch":
