@@ -226,7 +226,7 @@ def _train_rank(topo, data: str) -> dict:
     }
 
 
-def _reference(data: str) -> dict:
+def _reference(data: str, samples: int = SAMPLES, batch: int = GLOBAL_BATCH, spatial: int = 2) -> dict:
     """One process on the full fields, the same global batches (the sampler's order does not depend on dp)."""
     from meshwise.data import MeshSampler
 
@@ -234,10 +234,11 @@ def _reference(data: str) -> dict:
     x_all = torch.from_numpy(ds.sources["input"].array[...])
     y_all = torch.from_numpy(ds.sources["target"].array[...])
     torch.manual_seed(0)
-    net = domain_model.HeatNet(domain_model.HeatNetConfig(width=CFG["width"], depth=CFG["depth"], halo=CFG["halo"]))
+    config = domain_model.HeatNetConfig(width=CFG["width"], depth=CFG["depth"], halo=CFG["halo"], spatial=spatial)
+    net = domain_model.HeatNet(config)
     opt = torch.optim.Adam(net.parameters(), lr=CFG["lr"])
     losses = []
-    for idx in MeshSampler(SAMPLES, GLOBAL_BATCH, data_rank=0, data_size=1, seed=0):
+    for idx in MeshSampler(samples, batch, data_rank=0, data_size=1, seed=0):
         idx = torch.as_tensor(np.asarray(idx))
         loss = F.mse_loss(net(x_all[idx]), y_all[idx])
         opt.zero_grad()
@@ -280,3 +281,172 @@ def test_domain_training_dp2_domain2_equals_one_process(tmp_path):
         # bytes: chunks of 2 columns; the input tile with its halo touches 10 of 16 columns, the target 8
         expected = STEPS * 2 * (inputs[0].nbytes * 10 // 16 + targets[0].nbytes * 8 // 16)
         assert res["bytes"] == expected, (res["bytes"], expected, full)
+
+
+# ---------------------------------------------------------------- grids of tiles: several split dims at once
+
+
+def _grid_conv(topo, dims: tuple[str, ...], halos=(1, 2)) -> dict:
+    """Two conv3d layers on a [2, 2, 5, 7, 6] volume sharded over ``dims`` (the last spatial axes), exchanging halos
+    over all of them in one call, against one process's conv3d(padding=halo): forward, input and weight grads."""
+    import torch.distributed as dist
+
+    from meshwise.data import chunk_bounds
+    from meshwise.parallel import halo_exchange
+
+    shape = (2, 2, 5, 7, 6)
+    axes = tuple(range(-len(dims), 0))
+    tile = [slice(None)] * 5
+    for d, a in zip(dims, axes):
+        tile[a] = slice(*chunk_bounds(shape[a], topo.size(d), topo.coordinate(d)))
+    tile = tuple(tile)
+    out = {}
+    for h in halos:
+        g = torch.Generator().manual_seed(10 + h)
+        k = 2 * h + 1
+        x = torch.randn(shape, dtype=torch.float64, generator=g)
+        w1 = torch.randn(3, 2, k, k, k, dtype=torch.float64, generator=g)
+        w2 = torch.randn(1, 3, k, k, k, dtype=torch.float64, generator=g)
+        gout = torch.randn(2, 1, *shape[2:], dtype=torch.float64, generator=g)
+        ref = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        yf = F.conv3d(F.gelu(F.conv3d(ref[0], ref[1], padding=h)), ref[2], padding=h)
+        (yf * gout).sum().backward()
+
+        def layer(t, w, h=h):
+            t = F.pad(t, [0 if -1 - i in axes else h for i in range(3) for _ in (0, 1)])  # unsharded axes: zeros
+            return F.conv3d(halo_exchange(t, topo, dims, axes, h), w)
+
+        mine = [x[tile].clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+        yt = layer(F.gelu(layer(mine[0], mine[1])), mine[2])
+        (yt * gout[tile]).sum().backward()
+        wgrad = torch.cat([mine[1].grad.flatten(), mine[2].grad.flatten()])
+        dist.all_reduce(wgrad, group=topo.group(topo.metric_dims))  # partial weight grads sum over the tiles
+        out[h] = {
+            "forward": _max(yt, yf.detach()[tile]),
+            "input_grad": _max(mine[0].grad, ref[0].grad[tile]),
+            "weight_grad": _max(wgrad, torch.cat([ref[1].grad.flatten(), ref[2].grad.flatten()])),
+            "tile": tuple(mine[0].shape),
+        }
+    return out
+
+
+def _largest_halo(topo) -> dict:
+    """9 cells over y=2 (tiles 5, 4): halo 4 equals the padded field's slice, halo 5 is refused on every rank, as
+    the loader's Shard(axis, halo) allows (tests/test_data_edges.py)."""
+    from meshwise.data import chunk_bounds
+    from meshwise.errors import ParallelError
+    from meshwise.parallel import halo_exchange
+
+    field = torch.arange(2 * 9, dtype=torch.float64).reshape(2, 9)
+    lo, hi = chunk_bounds(9, 2, topo.coordinate("y"))
+    got = halo_exchange(field[:, lo:hi].clone(), topo, "y", axis=-1, halo=4)
+    try:
+        halo_exchange(field[:, lo:hi].clone(), topo, "y", axis=-1, halo=5)
+        refused = ""
+    except ParallelError as exc:
+        refused = str(exc)
+    return {"ok": _max(got, F.pad(field, [4, 4])[:, lo : hi + 8]), "refused": refused}
+
+
+def _placements(topo) -> dict:
+    """Parts from DTensor placements equal distribute_tensor(...).to_local() on an uneven split (5 x 7 over 2 x 2)."""
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor import distribute_tensor
+
+    from meshwise.data import mesh_dataloader
+
+    full = torch.randn(4, 2, 5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    placements = [DShard(0), DShard(2), DShard(3)]  # dp=1 x x=2 x y=2: the batch over dp, the field over x, y
+
+    class Net(torch.nn.Module):
+        input_parts = {"input": (topo.mesh, placements)}
+
+    ld = mesh_dataloader({"input": full}, topo, global_batch_size=4, mode="eval", parts=Net())
+    (batch,) = list(ld)
+    want = distribute_tensor(full, topo.mesh, placements).to_local()
+    return {"equal": torch.equal(batch["input"], want), "shape": tuple(want.shape)}
+
+
+GRID_SAMPLES, GRID_SIZE, GRID_BATCH = 8, 8, 4
+
+
+def _grid_rank(topo, data: str) -> dict:
+    """dp=1 x x=2 x y=2: the 3-D example trains through tiles the loader takes from the model; grid halo checks."""
+    from ignite.engine import Events
+    from torch.distributed.tensor import DTensor
+
+    from meshwise.data import Shard, mesh_dataloader
+
+    checks = {
+        "grid": _grid_conv(topo, ("x", "y")),
+        "largest_halo": _largest_halo(topo),
+        "placements": _placements(topo),
+    }
+    train = _train()
+    ds = train.open_dataset(data, "train")
+    model, _, loader, trainer, _ = train.build(topo, ds, global_batch_size=GRID_BATCH, **CFG)
+    written = {
+        "input": [Shard(-2, halo=1, dim="x"), Shard(-1, halo=1, dim="y")],
+        "target": [Shard(-2, dim="x"), Shard(-1, dim="y")],
+    }
+    same_parts = loader.parts == mesh_dataloader(ds, topo, global_batch_size=GRID_BATCH, parts=written).parts
+    losses, shapes = [], []
+    trainer.on(Events.ITERATION_COMPLETED)(lambda e: losses.append(e.state.output))
+    trainer.on(Events.ITERATION_STARTED)(lambda e: shapes.append(tuple(e.state.batch["input"].shape)))
+    trainer.run(loader, max_epochs=1)
+    params = {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+        for n, p in model.named_parameters()
+    }
+    summary = train.main(["--data", data, "--epochs", "1", "--batch", str(GRID_BATCH), "--lr", "1e-2"], topology=topo)
+    return {
+        "same_parts": same_parts,
+        "losses": losses,
+        "shapes": shapes,
+        "params": params,
+        "bytes": loader.bytes_read,
+        "summary": summary,
+        **checks,
+    }
+
+
+def test_grid_2x2_3d_example_parts_from_model_and_placements(tmp_path):
+    inputs, targets = generate.generate(GRID_SAMPLES, GRID_SIZE, steps=2, seed=5, spatial=3)
+    assert np.abs(targets[:, 0] - inputs[:, 0]).max() > 1e-3
+    generate.write(tmp_path, "train", inputs, targets, chunk_width=2, meta={})
+    generate.write(tmp_path, "test", inputs[:4], targets[:4], chunk_width=2, meta={})
+    mesh, roles = {"dp": -1, "x": 2, "y": 2}, {"x": "split", "y": "split"}
+    results = run_distributed(_grid_rank, 4, str(tmp_path), mesh=mesh, roles=roles, timeout=200)
+    ref = _reference(str(tmp_path), GRID_SAMPLES, GRID_BATCH, spatial=3)
+    for r, res in enumerate(results):
+        assert res["same_parts"], "the loader's parts come from the model"
+        assert res["shapes"][0] == (GRID_BATCH, 2, GRID_SIZE, 5, 5), res["shapes"]  # 4 x 4 tile + 1 halo cell inside
+        assert np.allclose(res["losses"], ref["losses"], rtol=1e-5, atol=1e-7), (res["losses"], ref["losses"])
+        for name, p in ref["params"].items():
+            assert float(np.abs(res["params"][name] - p.detach().numpy()).max()) <= TOL, (r, name)
+        assert np.isfinite(res["summary"]["mse"]) and res["summary"]["mse"] == results[0]["summary"]["mse"]
+        # chunks of 2 x 2 cells on (H, W): the input tile with its halo (5 x 5) touches 6 x 6 of 8 x 8, the target 4 x 4
+        steps = GRID_SAMPLES // GRID_BATCH
+        expected = steps * GRID_BATCH * (inputs[0].nbytes * 36 // 64 + targets[0].nbytes * 16 // 64)
+        assert res["bytes"] == expected, (res["bytes"], expected)
+        for h, errs in res["grid"].items():
+            assert max(errs["forward"], errs["input_grad"], errs["weight_grad"]) <= 1e-12, (r, h, errs)
+        assert res["largest_halo"]["ok"] == 0.0
+        assert "halo 5 is larger than a tile" in res["largest_halo"]["refused"], res["largest_halo"]
+        assert res["placements"]["equal"], res["placements"]
+    assert {res["placements"]["shape"] for res in results} == {(4, 2, 3, 4), (4, 2, 3, 3), (4, 2, 2, 4), (4, 2, 2, 3)}
+
+
+def _grid8(topo) -> dict:
+    return _grid_conv(topo, ("x", "y", "z"))
+
+
+def test_halo_exchange_2x2x2_grid_matches_one_process():
+    roles = {"x": "split", "y": "split", "z": "split"}
+    results = run_distributed(_grid8, 8, mesh={"x": 2, "y": 2, "z": 2}, roles=roles, timeout=200)
+    tiles = set()
+    for r, res in enumerate(results):
+        for h, errs in res.items():
+            assert max(errs["forward"], errs["input_grad"], errs["weight_grad"]) <= 1e-12, (r, h, errs)
+        tiles.add(res[1]["tile"])
+    assert tiles == {(2, 2, a, b, c) for a in (3, 2) for b in (4, 3) for c in (3,)}  # 5 x 7 x 6 over 2 x 2 x 2
