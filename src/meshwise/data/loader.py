@@ -12,7 +12,7 @@ import math
 import multiprocessing
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -134,6 +134,18 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], dataset: ArrayDataset) -> set[str]:
+    """The fields this rank reads: ``stage_fields["first"]`` on the first stage, ``["last"]`` on the last."""
+    if not isinstance(stage_fields, Mapping) or set(stage_fields) - {"first", "last"}:
+        raise DataError(f"stage_fields must map 'first'/'last' to field names, got {stage_fields!r}")
+    wanted = {"first": topology.is_first_stage, "last": topology.is_last_stage}
+    lists = {key: [fields] if isinstance(fields, str) else list(fields) for key, fields in stage_fields.items()}
+    unknown = sorted({n for fields in lists.values() for n in fields} - set(dataset.names))
+    if unknown:
+        raise DataError(f"stage_fields names {unknown}; the dataset's fields are {dataset.names}")
+    return {n for key, fields in lists.items() if wanted[key] for n in fields}
+
+
 class MeshDataLoader:
     """Iterate dict batches for this rank: fields ``[B_local, *part shape]``, ``valid`` (bool), ``index`` (int64).
 
@@ -156,6 +168,7 @@ class MeshDataLoader:
         num_workers: int = 0,
         prefetch_factor: int | None = None,
         multiprocessing_context: Any = None,
+        stage_fields: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         if not isinstance(dataset, ArrayDataset):
             dataset = ArrayDataset(dataset)
@@ -177,6 +190,8 @@ class MeshDataLoader:
         self.parts: dict[str, FieldPart] = {
             n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split, mesh) for n in dataset.names
         }
+        if stage_fields is not None:  # pipeline stages read only the fields they use (docs/pipeline.md)
+            self.parts = {n: p for n, p in self.parts.items() if n in _stage_reads(topology, stage_fields, dataset)}
         _warn_partial_reads(dataset, self.parts, topology)
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1

@@ -16,6 +16,7 @@ from meshwise.engine.batch import Batch, full_tensors, ready_batch
 from meshwise.errors import MetricError
 from meshwise.metrics import MeshMetric, Select, compute_all
 from meshwise.parallel.apply import reshard
+from meshwise.parallel.pipeline import pipeline_of
 from meshwise.topology import Topology, resolve
 
 __all__ = ["EvalMetrics", "check_eval_loader", "create_evaluator"]
@@ -191,6 +192,10 @@ def create_evaluator(
         select or (lambda output, batch: (output, batch[target_key])),
         prepare,
     )
+    if isinstance(model, nn.Module) and pipeline_of(model) is not None:  # a forward schedule (docs/pipeline.md)
+        from meshwise.engine.pipeline import PipelineEvalStep
+
+        step = PipelineEvalStep(step, input_key, forward)
     engine = Engine(step)
     was_training: list[bool] = []
 

@@ -48,11 +48,6 @@ def _check_options(
 
 
 def _check_placement(model: nn.Module, topo: Topology) -> None:
-    if topo.size(topo.stage_dims) > 1:
-        raise ParallelError(
-            f"create_trainer() does not run pipeline stages (mesh dims {topo.stage_dims}): use a mesh without a "
-            "'stage' dim"
-        )
     kind = check_data_parallel(model)
     data_parallel = topo.size(topo.metric_dims)
     if data_parallel > 1 and kind is None:
@@ -264,7 +259,10 @@ def create_trainer(
 
     The step is a :class:`TrainStep`; build ``Engine(TrainStep(...))`` yourself to keep a reference to it.
     """
-    step = TrainStep(
+    step_class = TrainStep
+    if resolve(topology).size(resolve(topology).stage_dims) > 1:  # the stages run a schedule (docs/pipeline.md)
+        from meshwise.engine.pipeline import PipelineTrainStep as step_class
+    step = step_class(
         model,
         optimizer,
         loss_fn,

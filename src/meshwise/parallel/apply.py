@@ -14,16 +14,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshwise.errors import ParallelError
+from meshwise.parallel.pipeline import Cut, check_schedule, pipeline_of, split_model, stage_plan
 from meshwise.topology import Topology, resolve
 
 __all__ = [
     "DP_MODES",
     "FsdpUnits",
     "check_data_parallel",
+    "check_tp_plan",
     "clip_coefficient",
     "clip_grad_norm",
     "data_parallel_kind",
     "dtensor_params",
+    "fsdp_unit_names",
     "local_norm_contribution",
     "norm_from_power",
     "parallelize",
@@ -59,7 +62,7 @@ def _state_kind(module: nn.Module) -> str | None:
 
 def data_parallel_kind(model: nn.Module) -> str | None:
     """How ``model`` (or any of its submodules) is data parallel: 'fsdp', 'replicate', 'ddp', ... or None."""
-    for module in model.modules():
+    for module in _all_modules(model):
         kind = _state_kind(module)
         if kind is not None:
             return kind
@@ -74,9 +77,16 @@ def reshard(model: nn.Module) -> None:
     """
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():
+    for module in _all_modules(model):
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def _all_modules(model: nn.Module) -> list[nn.Module]:
+    """``model.modules()``, and for a pipelined model also its stage modules (the FSDP roots are those)."""
+    pipeline = pipeline_of(model)
+    stages = [m for stage in pipeline.stage_modules for m in stage.modules()] if pipeline else []
+    return [*stages, *model.modules()]
 
 
 def dtensor_params(model: nn.Module) -> list[tuple[str, DTensor]]:
@@ -125,8 +135,9 @@ def _plan_matches(model: nn.Module, key: str) -> bool:
     return False
 
 
-def _select_units(model: nn.Module, units: FsdpUnits | None) -> list[nn.Module]:
-    """The submodules to shard as their own FSDP units (children before parents), excluding the root."""
+def fsdp_unit_names(model: nn.Module, units: FsdpUnits | None) -> list[str]:
+    """The names of the submodules ``fsdp_units`` selects, to shard as their own FSDP units (children before
+    parents), excluding the root; bad entries raise :class:`ParallelError`."""
     if units is None:
         return []
     named = dict(model.named_modules())
@@ -157,7 +168,7 @@ def _select_units(model: nn.Module, units: FsdpUnits | None) -> list[nn.Module]:
                 raise ParallelError(f"fsdp_units entries must be module names or modules, got {unit!r}")
     chosen = [n for n in dict.fromkeys(chosen) if n]
     chosen.sort(key=lambda n: -n.count("."))  # FSDP2 wants inner units sharded before the units holding them
-    return [named[n] for n in chosen]
+    return chosen
 
 
 def _plan_matches_name(name: str, pattern: str) -> bool:
@@ -176,6 +187,10 @@ def parallelize(
     dp: str = "fsdp",
     fsdp_units: FsdpUnits | None = None,
     fsdp_kwargs: Mapping[str, Any] | None = None,
+    cut: Cut | None = None,
+    schedule: str = "1F1B",
+    microbatches: int | None = None,
+    stages_per_rank: int | None = None,
 ) -> nn.Module:
     """Apply ``tp_plan`` over the topology's replica dim, then data parallel over its metric dims; returns the model.
 
@@ -188,28 +203,56 @@ def parallelize(
     the same parameters, so their gradients must be averaged too. Over a single rank no wrapper is added.
     Build the model with full (not sharded) weights, the same on every rank, before calling this.
     ``topology`` defaults to the current one (:func:`meshwise.topology.resolve`).
+
+    With a ``stage`` dim of size > 1 the model is cut into pipeline stages (docs/pipeline.md): ``cut``
+    names the module each stage after the first starts at (or is a function of the units and the stage
+    count; default: the largest block list cut evenly), ``schedule`` is ``"GPipe"``, ``"1F1B"`` or
+    ``"Interleaved1F1B"`` (``stages_per_rank`` stages a rank, default 2), ``microbatches`` the micro-batch
+    count (default: the number of stages). Each stage gets the TP plan and data parallel as above; the
+    result is a :class:`~meshwise.parallel.pipeline.PipelineModel` with the full model's parameter names.
+    Without a stage dim these four options are checked and otherwise ignored, so one script runs anywhere.
     """
     topology = resolve(topology)
     _check_parallelize_input(model, topology, dp)
-    model = _apply_tp_plan(model, topology, tp_plan)
+    check_schedule(schedule, stages_per_rank)
+    plan = check_tp_plan(model, topology, tp_plan)
+    units = fsdp_unit_names(model, fsdp_units)
+    if topology.size(topology.stage_dims) > 1:
+
+        def place(stage: nn.Module) -> nn.Module:
+            names = dict(stage.named_modules())
+            stage_tp = None if plan is None else stage_plan(plan, stage, _plan_matches)
+            stage = _apply_tp_plan(stage, topology, stage_tp)
+            return _apply_data_parallel(stage, topology, dp, [n for n in units if n in names], fsdp_kwargs)
+
+        return split_model(
+            model,
+            topology,
+            cut=cut,
+            schedule=schedule,
+            microbatches=microbatches,
+            stages_per_rank=stages_per_rank,
+            place=place,
+        )
+    model = _apply_tp_plan(model, topology, plan)
+    return _apply_data_parallel(model, topology, dp, units, fsdp_kwargs)
+
+
+def _apply_data_parallel(
+    model: nn.Module, topology: Topology, dp: str, units: Sequence[str], kwargs: Mapping[str, Any] | None
+) -> nn.Module:
     metric = topology.metric_dims
     if dp == "none" or not metric or topology.size(metric) == 1:
         return model
     dp_mesh = topology.submesh(metric)
-    kwargs = dict(fsdp_kwargs or {})
-    units = _select_units(model, fsdp_units)
+    named = dict(model.named_modules())
     if dp == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for unit in units:
-            fully_shard(unit, mesh=dp_mesh, **kwargs)
-        fully_shard(model, mesh=dp_mesh, **kwargs)
+        from torch.distributed.fsdp import fully_shard as wrap
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        for unit in units:
-            replicate(unit, mesh=dp_mesh, **kwargs)
-        replicate(model, mesh=dp_mesh, **kwargs)
+        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+    for unit in units:
+        wrap(named[unit], mesh=dp_mesh, **dict(kwargs or {}))
+    wrap(model, mesh=dp_mesh, **dict(kwargs or {}))
     return model
 
 
@@ -225,11 +268,6 @@ def _check_parallelize_input(model: nn.Module, topology: Topology, dp: str) -> N
             else ""
         )
         raise ParallelError(f"dp={dp!r} is not one of {DP_MODES}.{hint}")
-    if topology.size(topology.stage_dims) > 1:
-        raise ParallelError(
-            f"the mesh has pipeline dim(s) {topology.stage_dims}; parallelize() places one whole model per "
-            "stage-free mesh: split the model into stages yourself and parallelize each stage's module"
-        )
     kind = check_data_parallel(model)
     if kind == "ddp":
         raise ParallelError(
@@ -242,8 +280,11 @@ def _check_parallelize_input(model: nn.Module, topology: Topology, dp: str) -> N
         )
 
 
-def _apply_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> nn.Module:
-    """The model with ``tp_plan`` applied over the replica dim; without a plan, its DTensors checked instead."""
+def check_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> dict[str, Any] | None:
+    """``tp_plan`` as a checked dict (a function of the model is called), or None; bad plans raise.
+
+    Without a plan the model's existing DTensor parameters must live on this topology's replica mesh.
+    """
     replica = topology.replica_dims
     existing = dtensor_params(model)
     if tp_plan is None:
@@ -256,7 +297,7 @@ def _apply_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> nn.Mod
                     f"{topology.metric_dims} cannot compose with it. Build the model with plain parameters "
                     "and pass tp_plan=... so meshwise shards it on this topology"
                 )
-        return model
+        return None
     if len(replica) != 1:
         raise ParallelError(
             f"a tp_plan needs exactly one mesh dim with role 'replica' to shard over; this mesh has "
@@ -270,7 +311,7 @@ def _apply_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> nn.Mod
     plan = tp_plan(model) if callable(tp_plan) else tp_plan
     if not isinstance(plan, Mapping):
         raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
-    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+    from torch.distributed.tensor.parallel import ParallelStyle
 
     for key, style in plan.items():
         if not isinstance(key, str) or not _plan_matches(model, key):
@@ -284,7 +325,15 @@ def _apply_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> nn.Mod
                 f"tp_plan[{key!r}] is a {type(style).__name__}, not a torch ParallelStyle: use "
                 "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
             )
-    return parallelize_module(model, topology.submesh(replica[0]), dict(plan))
+    return dict(plan)
+
+
+def _apply_tp_plan(model: nn.Module, topology: Topology, plan: dict[str, Any] | None) -> nn.Module:
+    if not plan:
+        return model
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    return parallelize_module(model, topology.submesh(topology.replica_dims[0]), plan)
 
 
 # --------------------------------------------------------------------------- global gradient norm

