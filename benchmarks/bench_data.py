@@ -6,9 +6,12 @@ Writes N samples of 1 x S x S float32 as .npy and as Zarr (uncompressed, one sha
 * bytes read per rank by the loader against every rank reading whole samples (both sources);
 * samples/s of the loader against raw slicing of the same region (``np.stack`` of memmap slices; Zarr
   slices for Zarr), same indices, same process, best of ``--repeats`` in CPU time (alternating order);
-* the three read strategies side by side on a tp=2 x cp=2 mesh (4 gloo processes).
+* the three read strategies side by side on a tp=2 x cp=2 mesh (4 gloo processes);
+* bytes read per rank on a 2 x 2 grid (split dims x, y) of 3-D volumes, Zarr chunks of ``halo x halo`` cells on
+  the two sharded axes, against a whole-sample read: goal <= 1/4 + the halo shell + 2 %.
 
-Quick run: ``--samples 32 --size 256``. Final line: ``RESULT bytes_ratio=… throughput_ratio=…`` (npy, worst rank).
+Quick run: ``--samples 32 --size 256``. Final line: ``RESULT bytes_ratio=… throughput_ratio=… grid_bytes_ratio=…``
+(worst rank; ``grid_bytes_ratio`` is Zarr's).
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ from meshwise.topology import Topology
 SPLIT = 4
 
 
-def topology(mesh: dict, rank: int) -> Topology:
+def topology(mesh: dict, rank: int, roles: dict | None = None) -> Topology:
     """A real Topology for one rank of ``mesh`` without a process group (enough for read='each')."""
     world = int(np.prod(list(mesh.values())))
     env = Environment("none", rank, world, rank, world, "127.0.0.1", 0)
-    return Topology(Layout.resolve(mesh, world), env, torch.device("cpu"), "gloo", datetime.timedelta(seconds=60), None)
+    layout = Layout.resolve(mesh, world, roles)
+    return Topology(layout, env, torch.device("cpu"), "gloo", datetime.timedelta(seconds=60), None)
 
 
 def make_data(root: Path, n: int, size: int, halo: int) -> tuple[Path, Path]:
@@ -123,6 +127,41 @@ def measure(source, raw_array, n: int, batch: int, halo: int, repeats: int) -> d
     }
 
 
+def grid(root: Path, n: int, depth: int, size: int, halo: int) -> dict:
+    """Bytes read per rank on a 2 x 2 grid (dims x, y) of ``1 x depth x size x size`` volumes, halo on (H, W).
+
+    Zarr: one shard a sample, uncompressed inner chunks of ``depth x halo x halo``; npy for comparison. Each rank
+    reads one epoch; bytes are over every rank reading whole samples.
+    """
+    import zarr
+
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((n, 1, depth, size, size), dtype=np.float32)
+    np.save(root / "volume.npy", data)
+    z = zarr.create_array(
+        str(root / "volume.zarr"),
+        shape=data.shape,
+        dtype="float32",
+        chunks=(1, 1, depth, halo, halo),
+        shards=(1, 1, depth, size, size),
+        compressors=None,
+    )
+    z[...] = data
+    parts = {"volume": [Shard(2, halo=halo, dim="x"), Shard(3, halo=halo, dim="y")]}
+    out = {}
+    for kind, source in (("npy", str(root / "volume.npy")), ("zarr", z)):
+        per_rank = []
+        for rank in range(4):
+            topo = topology({"x": 2, "y": 2}, rank, {"x": "split", "y": "split"})
+            ld = mesh_dataloader({"volume": source}, topo, global_batch_size=4, mode="eval", parts=parts)
+            loader_epoch(ld)
+            per_rank.append(ld.bytes_read / data.nbytes)
+        out[kind] = per_rank
+    half = -(-size // 2)
+    out["shell"] = ((half + halo) ** 2 - half**2) / size**2  # the halo cells of a corner tile, over a whole sample
+    return out
+
+
 def strategies(topo, npy: str, batch: int, halo: int, repeats: int) -> dict:
     out = {}
     for read in ("each", "broadcast", "scatter"):
@@ -154,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--strategy-samples", type=int, default=64, help="samples read in the read-strategy run")
     p.add_argument("--no-strategies", action="store_true")
+    p.add_argument("--grid-samples", type=int, default=32, help="3-D volumes for the 2 x 2 grid run")
+    p.add_argument("--grid-size", type=int, default=96, help="volumes are 1 x depth x size x size float32")
+    p.add_argument("--grid-depth", type=int, default=32)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     import zarr
@@ -178,6 +220,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{kind:5s} bytes/rank vs every-rank-reads-all: [{ranks}] (goal <= {goal:.4f}); "
                 f"loader {r['loader_sps']:.0f} samples/s vs raw slicing {r['raw_sps']:.0f} samples/s "
                 f"-> ratio {r['throughput_ratio']:.3f} (goal >= 0.9)"
+            )
+        g = grid(Path(tmp), args.grid_samples, args.grid_depth, args.grid_size, args.halo)
+        grid_goal = 1 / 4 + g["shell"] + 0.02
+        for kind in ("npy", "zarr"):
+            ranks = " ".join(f"{b:.4f}" for b in g[kind])
+            print(
+                f"grid  2x2 of {args.grid_samples} x 1x{args.grid_depth}x{args.grid_size}x{args.grid_size}, halo "
+                f"{args.halo}, {kind}: bytes/rank vs whole samples [{ranks}] (goal <= 1/4 + shell {g['shell']:.4f} "
+                f"+ 0.02 = {grid_goal:.4f})"
             )
         if not args.no_strategies:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -208,7 +259,9 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"RESULT bytes_ratio={max(npy_r['bytes_per_rank']):.4f} throughput_ratio={npy_r['throughput_ratio']:.3f} "
             f"zarr_bytes_ratio={max(results['zarr']['bytes_per_rank']):.4f} "
-            f"zarr_throughput_ratio={results['zarr']['throughput_ratio']:.3f} bytes_goal={goal:.4f}"
+            f"zarr_throughput_ratio={results['zarr']['throughput_ratio']:.3f} bytes_goal={goal:.4f} "
+            f"grid_bytes_ratio={max(g['zarr']):.4f} grid_npy_bytes_ratio={max(g['npy']):.4f} "
+            f"grid_bytes_goal={grid_goal:.4f}"
         )
 
 
