@@ -65,7 +65,7 @@ def test_layout_groups_partition_the_world(mesh, roles, world):
 def test_infer_and_roles():
     layout = Layout.resolve("dp=-1,tp=2", 8)
     assert layout.sizes == (4, 2) and layout.roles == ("batch", "replica")
-    layout = Layout.resolve({"fsdp": 2, "sp": -1, "pipeline": 1}, 6)
+    layout = Layout.resolve({"fsdp": 2, "context_parallel": -1, "pipeline": 1}, 6)
     assert layout.sizes == (2, 3, 1) and layout.roles == ("batch", "split", "stage")
     assert Layout.resolve({"space": 2}, 2, "space=split").roles == ("split",)
 

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from meshwise.errors import TopologyError
 
 __all__ = [
+    "AMBIGUOUS_NAMES",
     "DEFAULT_ROLES",
     "ROLES",
     "Dims",
     "Layout",
+    "check_rank_grid",
     "dims_crossing_nodes",
     "parse_mesh",
     "parse_roles",
@@ -31,9 +33,38 @@ ROLES = ("batch", "split", "replica", "stage")
 #: Default role of well-known mesh dimension names; any other name needs an explicit role.
 DEFAULT_ROLES: dict[str, str] = {
     **dict.fromkeys(("dp", "ddp", "data_parallel", "dp_replicate", "dp_shard", "fsdp"), "batch"),
-    **dict.fromkeys(("cp", "sp", "context_parallel", "domain", "spatial"), "split"),
-    **dict.fromkeys(("tp", "tensor_parallel", "model_parallel"), "replica"),
+    **dict.fromkeys(("cp", "context_parallel", "domain", "spatial"), "split"),
+    **dict.fromkeys(("tp", "tensor_parallel"), "replica"),
     **dict.fromkeys(("pp", "pipeline"), "stage"),
+}
+
+# Each reading: (role, where the name means it, what each rank of the dim then holds).
+_MODEL = (
+    ("replica", "Megatron-LM/fairscale-style tensor parallel", "every rank of the dim sees the same samples"),
+    ("split", "PhysicsNeMo spatial/domain parallel", "each rank holds a part of every sample"),
+)
+_SEQUENCE = (
+    ("split", "sequence parallel as a dim of its own (DeepSpeed Ulysses, ring attention)", "a part of every sequence"),
+    ("replica", "Megatron-style sequence parallel on the tensor-parallel group", "whole samples, as tensor parallel"),
+)
+_EXPERT = (
+    ("batch", "expert parallel carved out of data parallel (DeepSpeed-MoE, Megatron-core)", "different samples"),
+    ("replica", "experts sharded over ranks that see the same tokens", "the same samples, as tensor parallel"),
+)
+#: Names that mean different things in different ecosystems: no default role, and a mesh using one without
+#: ``roles=`` is an error that shows every reading: (role, where the name means it, what each rank holds).
+AMBIGUOUS_NAMES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    **dict.fromkeys(("model_parallel", "mp", "model"), _MODEL),
+    **dict.fromkeys(("sp", "sequence_parallel"), _SEQUENCE),
+    **dict.fromkeys(("ep", "expert_parallel"), _EXPERT),
+    "replicate": (
+        ("batch", "torch HSDP's ('replicate', 'shard') mesh", "different samples (replicated parameters)"),
+        ("replica", "a dim whose ranks hold the same samples and outputs", "the same samples"),
+    ),
+    "shard": (
+        ("batch", "torch FSDP/HSDP's shard dim", "different samples (sharded parameters)"),
+        ("split", "sharded samples (domain decomposition)", "a part of every sample"),
+    ),
 }
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -90,6 +121,29 @@ def parse_roles(roles: Mapping[str, str] | str | None) -> dict[str, str]:
     return dict(roles)
 
 
+def _missing_roles_message(spec: Mapping[str, int], missing: Sequence[str]) -> str:
+    """One message for every dim without a role: each ambiguous name with its readings, then the one-line fix."""
+    lines = []
+    for name in missing:
+        readings = AMBIGUOUS_NAMES.get(name)
+        if readings is None:
+            lines.append(f"mesh dim {name!r} has no default role")
+            continue
+        said = ", ".join(f"{role!r} in {where} (each rank holds {holds})" for role, where, holds in readings)
+        lines.append(f"mesh dim {name!r} has no default role because the name means different things: {said}")
+    first = missing[0]
+    if len(missing) == 1 and first in AMBIGUOUS_NAMES:
+        fix = " or ".join(f"roles={{{first!r}: {role!r}}}" for role, _, _ in AMBIGUOUS_NAMES[first])
+    else:
+        fix = "roles={" + ", ".join(f"{n!r}: ..." for n in missing) + "}"
+    return (
+        "; ".join(lines)
+        + f". Say what the ranks along {'it' if len(missing) == 1 else 'each'} hold: meshwise.init(..., {fix}) "
+        + f"(or --roles {first}=...), roles being {', '.join(ROLES)} (mesh {dict(spec)}; names with a default "
+        + f"role: {', '.join(sorted(DEFAULT_ROLES))})"
+    )
+
+
 @dataclass(frozen=True)
 class Layout:
     """The pure arithmetic of a mesh: dims, sizes and roles, and which ranks sit where.
@@ -115,17 +169,13 @@ class Layout:
         unknown_dims = sorted(set(explicit) - set(spec))
         if unknown_dims:
             raise TopologyError(f"roles given for dim(s) {unknown_dims} that are not in the mesh {spec}: remove them")
-        resolved_roles = []
-        for name in spec:
-            role = explicit.get(name, DEFAULT_ROLES.get(name))
-            if role is None:
-                raise TopologyError(
-                    f"mesh dim {name!r} has no default role: pass roles={{{name!r}: ...}} with one of {ROLES} "
-                    f"(known names: {', '.join(sorted(DEFAULT_ROLES))})"
-                )
+        resolved_roles = [explicit.get(name, DEFAULT_ROLES.get(name)) for name in spec]
+        missing = [name for name, role in zip(spec, resolved_roles) if role is None]
+        if missing:
+            raise TopologyError(_missing_roles_message(spec, missing))
+        for name, role in zip(spec, resolved_roles):
             if role not in ROLES:
                 raise TopologyError(f"role {role!r} of mesh dim {name!r} is unknown: use one of {ROLES}")
-            resolved_roles.append(role)
         stages = [n for n, r in zip(spec, resolved_roles) if r == "stage"]
         if len(stages) > 1:
             raise TopologyError(f"mesh has several 'stage' dims {stages}: declare one pipeline dim")
@@ -171,7 +221,7 @@ class Layout:
         try:
             return self.dims.index(dim)
         except ValueError:
-            raise TopologyError(f"mesh has no dim {dim!r}: its dims are {self.dims}") from None
+            raise TopologyError(f"mesh has no dim {dim!r}: its dims are {self.dims_text()}") from None
 
     def normalize(self, dims: Dims) -> tuple[str, ...]:
         """Dims as a tuple in mesh order; a string is one dim name."""
@@ -271,6 +321,67 @@ class Layout:
         )
         advice = [f"warning: {w}" for w in placement_warnings(self, nodes)]
         return "\n".join([summary, *lines, *advice])
+
+
+def check_rank_grid(layout: Layout, grid: Sequence) -> None:
+    """Refuse a DeviceMesh's rank grid (``mesh.mesh.tolist()``) that is not ``layout``'s row-major order.
+
+    Every coordinate, group order and data rank meshwise derives assumes rank ``r`` sits at the row-major
+    position ``r`` over ``layout.dims`` (what ``init_device_mesh`` builds). A mesh built from another rank
+    tensor would make meshwise and the mesh disagree on which rank holds which tile: a
+    :class:`TopologyError` instead, naming the dim order that would match when a transposition is all it is.
+    """
+    cells = _grid_cells(grid, len(layout.dims))
+    shape = tuple(len(grid_level) for grid_level in _grid_levels(grid, len(layout.dims)))
+    if shape != layout.sizes or len(cells) != layout.world_size:
+        raise TopologyError(
+            f"the DeviceMesh's rank grid has shape {list(shape)} ({len(cells)} ranks) but its dims are "
+            f"{layout.dims_text()} over a world of {layout.world_size}: pass the root mesh over every rank, not a slice"
+        )
+    if cells == list(range(layout.world_size)):
+        return
+    lookup = {tuple(c): r for c, r in zip(itertools.product(*map(range, layout.sizes)), cells)}
+    matches = []
+    for order in itertools.permutations(range(len(layout.dims))):
+        sizes = [layout.sizes[i] for i in order]
+        walked = []
+        for c in itertools.product(*map(range, sizes)):
+            position = [0] * len(order)
+            for i, value in zip(order, c):
+                position[i] = value
+            walked.append(lookup[tuple(position)])
+        if walked == list(range(layout.world_size)):
+            matches.append(tuple(layout.dims[i] for i in order))
+    hint = (
+        f"Its ranks are init_device_mesh's order for the dims as {matches[0]}: build it as init_device_mesh(device, "
+        f"{tuple(layout.sizes[layout.index(d)] for d in matches[0])}, mesh_dim_names={matches[0]}) and slice "
+        "by name as before"
+        if matches
+        else "Build it with init_device_mesh(device, sizes, mesh_dim_names=...)"
+    )
+    shown = grid if layout.world_size <= 16 else "..."
+    raise TopologyError(
+        f"the DeviceMesh over {layout.dims_text()} does not place rank r at row-major position r (its rank grid is "
+        f"{shown}); meshwise's coordinates, groups and data ranks would disagree with the mesh's. {hint}"
+    )
+
+
+def _grid_levels(grid: Sequence, depth: int) -> list[Sequence]:
+    """The first row at each nesting level of a rank grid (its shape, one level at a time)."""
+    levels, level = [], grid
+    for _ in range(depth):
+        if not isinstance(level, Sequence) or isinstance(level, str):
+            break
+        levels.append(level)
+        level = level[0] if level else None
+    return levels
+
+
+def _grid_cells(grid: Sequence, depth: int) -> list[int]:
+    """The ranks of a nested rank grid, row-major."""
+    if depth == 0:
+        return [int(grid)]  # type: ignore[call-overload]
+    return [r for row in grid for r in _grid_cells(row, depth - 1)]
 
 
 # --------------------------------------------------------------------------- placement on nodes

@@ -15,15 +15,19 @@ import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from meshwise.environment import Environment, detect_environment
 from meshwise.errors import CollectiveTimeoutError, PlacementWarning, TopologyError
-from meshwise.layout import ROLES, Dims, Layout, placement_warnings
+from meshwise.layout import ROLES, Dims, Layout, check_rank_grid, placement_warnings
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -53,7 +57,7 @@ class Topology:
     device: torch.device
     backend: str
     timeout: datetime.timedelta
-    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    mesh: DeviceMesh  # the root mesh: built by init, or the program's own (adopted)
     debug: bool = False  # fingerprint every collective on a topology group before it runs (meshwise.debug)
     run_dir: Path = Path("runs")  # where hang reports (every rank's stacks) are written
     # The DeviceMesh of every dim selection that has a group (see group_dims), made collectively at init.
@@ -265,7 +269,7 @@ def on_shutdown(hook: Callable[[Topology], None]) -> None:
 
 
 def init(
-    mesh: Mapping[str, int] | str | None = None,
+    mesh: Mapping[str, int] | str | DeviceMesh | None = None,
     *,
     roles: Mapping[str, str] | str | None = None,
     timeout: float | datetime.timedelta | None = None,
@@ -274,15 +278,18 @@ def init(
     run_dir: str | os.PathLike[str] | None = None,
     groups: Iterable[Dims] | None = None,
 ) -> Topology:
-    """Join the process group and build the declared mesh; returns the :class:`Topology`.
+    """Join the process group and build the declared mesh, or adopt the user's; returns the :class:`Topology`.
 
-    ``mesh`` is ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"``, or ``None`` to read ``MESHWISE_MESH``
-    (default ``dp=-1``). ``timeout`` (seconds, default ``MESHWISE_TIMEOUT`` or 600) bounds the
-    rendezvous and every collective of every group meshwise creates. ``debug`` (default
-    ``MESHWISE_DEBUG``) compares a fingerprint of every collective on a topology group across the
-    group before it runs (:mod:`meshwise.debug`); ``run_dir`` (default ``MESHWISE_RUN_DIR`` or
-    ``runs``) receives hang reports. Under a launcher (torchrun, srun, mpirun) every process must
-    call this with the same arguments.
+    ``mesh`` is ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"``, ``None`` to read ``MESHWISE_MESH``
+    (default ``dp=-1``), or a ``DeviceMesh`` the program already built: its dims, sizes, order, device
+    and groups are adopted (``roles`` still names the role of any dim without a default), after checking
+    that its ranks sit where meshwise's arithmetic puts them. ``timeout`` (seconds, default
+    ``MESHWISE_TIMEOUT`` or 600) bounds the rendezvous and every collective of every group meshwise
+    creates. ``debug`` (default ``MESHWISE_DEBUG``) compares a fingerprint of every collective on a
+    topology group across the group before it runs (:mod:`meshwise.debug`); ``run_dir`` (default
+    ``MESHWISE_RUN_DIR`` or ``runs``) receives hang reports. Under a launcher (torchrun, srun, mpirun)
+    every process must call this with the same arguments. A process group that already exists is
+    joined as it is, once its rank and size are checked against the launcher's.
 
     Groups are made here, on every rank, for each dim and for the batch, metric (batch + split), replica
     and all dims; ``groups=[("cp", "tp"), ...]`` names any other selection of several dims to make.
@@ -295,13 +302,21 @@ def init(
     if _CURRENT is not None:
         raise TopologyError("meshwise.init() was already called in this process: call meshwise.shutdown() first")
     env = detect_environment()
-    layout = Layout.resolve(mesh, env.world_size, roles)
-    selections = group_selections(layout, groups)
+    if dist.is_initialized():
+        env = _agree_with_process_group(env)
     timeout, debug, run_dir = _settings(timeout, debug, run_dir)
-
-    device, backend = _choose_device(env, backend)
-    owns_group = _join_process_group(env, device, backend, timeout)
-    root, submeshes = _build_mesh(layout, device, backend, timeout, selections)
+    adopted = _device_mesh_or_none(mesh)
+    if adopted is None:
+        layout = Layout.resolve(mesh, env.world_size, roles)  # type: ignore[arg-type]
+        selections = group_selections(layout, groups)
+        device, backend = _choose_device(env, backend)
+        owns_group = _join_process_group(env, device, backend, timeout)
+        root = _build_mesh(layout, device, backend, timeout)
+    else:
+        layout, device, backend = _adopt_mesh(adopted, env, roles, backend)
+        selections = group_selections(layout, groups)
+        owns_group, root = False, adopted
+    submeshes = _make_groups(root, selections, backend, timeout, adopted is not None)
     nodes, names = _exchange_nodes(env)
     _CURRENT = Topology(
         layout, env, device, backend, timeout, root, debug, run_dir, submeshes, nodes, names, owns_group
@@ -413,12 +428,7 @@ def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Sto
 
 def _join_process_group(env: Environment, device: torch.device, backend: str, timeout: datetime.timedelta) -> bool:
     """Create the world's process group unless one exists; True when this call created it."""
-    if dist.is_initialized():
-        if dist.get_world_size() != env.world_size:
-            raise TopologyError(
-                f"a process group of {dist.get_world_size()} ranks already exists but the launcher says "
-                f"{env.world_size}: let meshwise.init() create the process group"
-            )
+    if dist.is_initialized():  # the program's own group, checked by _agree_with_process_group
         return False
     try:
         if env.world_size == 1:
@@ -464,35 +474,99 @@ def _backend_options(backend: str, timeout: datetime.timedelta) -> object:
     return (backend, opts)
 
 
-def _build_mesh(
-    layout: Layout,
-    device: torch.device,
-    backend: str,
-    timeout: datetime.timedelta,
-    selections: list[tuple[str, ...]],
-) -> tuple[object, dict[tuple[str, ...], object]]:
-    """The root DeviceMesh and the submesh of every selection, flattened now, collectively on all ranks.
-
-    Never lazily on a subset of ranks: a group that some ranks create and others do not hangs.
-    """
+def _build_mesh(layout: Layout, device: torch.device, backend: str, timeout: datetime.timedelta) -> DeviceMesh:
+    """The root DeviceMesh of ``layout``, each dim's group carrying the timeout."""
     from torch.distributed.device_mesh import init_device_mesh
 
     override = _backend_options(backend, timeout)
+    return init_device_mesh(
+        device.type, layout.sizes, mesh_dim_names=layout.dims, backend_override={d: override for d in layout.dims}
+    )
+
+
+def _make_groups(
+    root: DeviceMesh, selections: list[tuple[str, ...]], backend: str, timeout: datetime.timedelta, adopted: bool
+) -> dict[tuple[str, ...], DeviceMesh]:
+    """The submesh of every selection, flattened now, collectively on all ranks.
+
+    Never lazily on a subset of ranks: a group that some ranks create and others do not hangs. torch reuses
+    a flattened mesh of the same name already on ``root``, and, on an adopted mesh, the default group for
+    the selection of all dims (the world in rank order, by check_rank_grid) when given no backend options.
+    """
+    override = _backend_options(backend, timeout)
+    submeshes: dict[tuple[str, ...], DeviceMesh] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # slicing flattened dims warns about a future deprecation
-        root = init_device_mesh(
-            device.type,
-            layout.sizes,
-            mesh_dim_names=layout.dims,
-            backend_override={d: override for d in layout.dims},
-        )
-        submeshes: dict[tuple[str, ...], object] = {}
         for dims in selections:
             if len(dims) == 1:
                 submeshes[dims] = root[dims[0]]
-            else:
-                submeshes[dims] = root[dims]._flatten("_".join(dims), backend_override=override)
-    return root, submeshes
+                continue
+            whole = adopted and len(dims) == root.ndim
+            submeshes[dims] = root[dims]._flatten("_".join(dims), backend_override=None if whole else override)
+    return submeshes
+
+
+def _device_mesh_or_none(mesh: object) -> DeviceMesh | None:
+    """``mesh`` when it is a DeviceMesh (to adopt), else None (a spec for Layout.resolve)."""
+    if mesh is None or isinstance(mesh, (str, Mapping)):
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return mesh if isinstance(mesh, DeviceMesh) else None
+
+
+def _agree_with_process_group(env: Environment) -> Environment:
+    """The environment of a process group the program created itself, checked against the launcher's.
+
+    Without launcher variables (``init_process_group(rank=..., world_size=..., store=...)``) the group is
+    the only word on rank and size; with them, both must say the same, or every coordinate is wrong.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if env.launcher == "none" and world > 1:
+        return replace(env, launcher="torch.distributed", rank=rank, world_size=world, local_world_size=world)
+    if (env.rank, env.world_size) != (rank, world):
+        raise TopologyError(
+            f"torch.distributed says this is rank {rank} of {world} but the launcher's variables say rank "
+            f"{env.rank} of {env.world_size} ({env.launcher}): start the program with the launcher whose group it "
+            "joined, or let meshwise.init() create the process group"
+        )
+    return env
+
+
+def _adopt_mesh(
+    mesh: DeviceMesh, env: Environment, roles: Mapping[str, str] | str | None, backend: str | None
+) -> tuple[Layout, torch.device, str]:
+    """The layout, device and backend of a DeviceMesh the program built, each checked, never assumed."""
+    names = mesh.mesh_dim_names
+    if not names:
+        raise TopologyError(
+            "meshwise.init(mesh=...) got a DeviceMesh without dim names: build it with init_device_mesh(device, "
+            "sizes, mesh_dim_names=('dp', 'tp')) so that every dim can have a role"
+        )
+    grid = mesh.mesh
+    if grid.numel() != env.world_size:
+        raise TopologyError(
+            f"meshwise.init(mesh=...) got a DeviceMesh over {grid.numel()} of the world's {env.world_size} ranks "
+            f"(dims {names}, sizes {tuple(grid.shape)}): pass the root mesh, over every rank, not a slice of it"
+        )
+    layout = Layout.resolve(dict(zip(names, grid.shape)), env.world_size, roles)
+    check_rank_grid(layout, grid.tolist())
+    ours = layout.coordinates(env.rank)
+    theirs = {d: mesh.get_local_rank(d) for d in names}
+    if mesh.get_rank() != env.rank or theirs != ours:
+        raise TopologyError(
+            f"the DeviceMesh puts rank {mesh.get_rank()} at {theirs} but meshwise puts rank {env.rank} at {ours}: "
+            "build the mesh with init_device_mesh over the default process group"
+        )
+    theirs_backend = dist.get_backend(mesh.get_group(names[0]))
+    if backend is not None and backend != theirs_backend:
+        raise TopologyError(
+            f"backend={backend!r} but the DeviceMesh's groups use {theirs_backend!r}: drop backend= (an adopted "
+            "mesh keeps its own)"
+        )
+    kind = mesh.device_type
+    device = torch.device(kind) if kind == "cpu" else torch.device(kind, torch.get_device_module(kind).current_device())
+    return layout, device, theirs_backend
 
 
 def _exchange_nodes(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:

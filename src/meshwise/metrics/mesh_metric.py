@@ -192,13 +192,13 @@ def _metric_dims(topo: Topology, dims: Dims | None) -> tuple[str, ...]:
     try:
         names = topo.layout.normalize(dims)
     except TopologyError as exc:
-        raise MetricError(f"metric dims {dims!r} are not part of the topology {topo.dims}: {exc}") from None
+        raise MetricError(f"metric dims {dims!r} are not part of the topology: {exc}") from None
     wrong = [d for d in names if topo.roles[d] not in ("batch", "split")]
     if wrong:
         raise MetricError(
             f"metric dims {names} include {', '.join(f'{d} ({topo.roles[d]})' for d in wrong)}: a metric sums only "
             f"over batch and split dims (replica ranks hold the same samples, counts would be multiplied by their "
-            f"size); use dims from {topo.metric_dims}"
+            f"size); use dims from {topo.metric_dims} (the mesh: {topo.layout.dims_text()})"
         )
     return names
 
