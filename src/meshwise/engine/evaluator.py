@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from ignite.engine import Engine, Events
+from ignite.metrics import Metric as IgniteMetric
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
@@ -14,7 +15,7 @@ from meshwise.data import MeshSampler
 from meshwise.debug import guarded
 from meshwise.engine.batch import Batch, full_tensors, ready_batch
 from meshwise.errors import MetricError
-from meshwise.metrics import MeshMetric, Select, compute_all
+from meshwise.metrics import MeshMetric, Select, adopt_ignite_metrics, compute_all
 from meshwise.parallel.apply import reshard
 from meshwise.parallel.pipeline import pipeline_of
 from meshwise.topology import Topology, resolve
@@ -38,11 +39,13 @@ class EvalMetrics:
     :meth:`attach` registers the reset and the compute; at ``EPOCH_COMPLETED`` ``engine.state.metrics``
     gets the values, the same on every rank: Python floats for scalars, CPU tensors otherwise; a
     ``MetricCollection`` contributes its own keys. Metrics syncing over the same dims share one sync.
+    ignite metrics (``ignite.metrics.Metric``) are attached the ignite way (:meth:`attach`) and made
+    mesh-correct by :func:`~meshwise.metrics.adopt_ignite_metrics` when the run starts.
     """
 
     def __init__(
         self,
-        metrics: Mapping[str, Metric | MetricCollection | MeshMetric] | None,
+        metrics: Mapping[str, Metric | MetricCollection | MeshMetric | IgniteMetric] | None,
         topology: Topology | None = None,
         *,
         split_inputs: str = "parts",
@@ -52,9 +55,11 @@ class EvalMetrics:
         metrics = {} if metrics is None else metrics
         if not isinstance(metrics, Mapping):
             raise MetricError(
-                f"metrics must be a dict name -> torchmetrics Metric/MetricCollection/MeshMetric, got {type(metrics)}"
+                f"metrics must be a dict name -> torchmetrics Metric/MetricCollection/MeshMetric or ignite Metric, "
+                f"got {type(metrics)}"
             )
         self.metrics: dict[str, MeshMetric] = {}
+        self.ignite: dict[str, IgniteMetric] = {}
         for name, metric in metrics.items():
             if isinstance(metric, MeshMetric):
                 if metric.topology is not topo:
@@ -64,10 +69,12 @@ class EvalMetrics:
                 self.metrics[name] = MeshMetric(
                     metric, topo, split_inputs=split_inputs, replica_check=replica_check, name=name
                 )
+            elif isinstance(metric, IgniteMetric):
+                self.ignite[name] = metric
             else:
                 raise MetricError(
-                    f"metric {name!r} is a {type(metric).__name__}, not a torchmetrics Metric, MetricCollection or "
-                    "MeshMetric: wrap it in a torchmetrics.Metric"
+                    f"metric {name!r} is a {type(metric).__name__}, not a torchmetrics Metric, MetricCollection, "
+                    "MeshMetric or ignite Metric: wrap it in a torchmetrics.Metric"
                 )
         self.groups: dict[tuple[str, ...], list[str]] = {}
         for name, m in self.metrics.items():
@@ -77,6 +84,8 @@ class EvalMetrics:
         """Reset the metrics at ``EPOCH_STARTED`` and put their values in ``engine.state.metrics`` at its end."""
         engine.add_event_handler(Events.EPOCH_STARTED, lambda _: self.reset())
         engine.add_event_handler(Events.EPOCH_COMPLETED, lambda e: e.state.metrics.update(self.compute()))
+        for name, metric in self.ignite.items():
+            metric.attach(engine, name)  # they read engine.state.output, (y_pred, y) as select gives it
         return self
 
     def reset(self) -> None:
@@ -144,16 +153,18 @@ class _EvalStep:
         # Every rank runs the forward (tensor-parallel collectives inside): a rank that is missing is named.
         with guarded(topo, topo.dims, "evaluator step", step=engine.state.iteration, region=True):
             batch = ready_batch(batch, self.prepare, topo.device, "evaluator", MetricError)
+            engine.state.batch = batch  # ignite metrics leave out the rows its "valid" marks as padding
             with torch.no_grad():
                 output = full_tensors(self.forward(self.model, batch))
                 self.metrics.update(output, batch, self.select)
-            return output
+            # ignite's convention for an evaluator's output: what its metrics update with, (y_pred, y)
+            return self.select(output, batch)
 
 
 def create_evaluator(
     model: nn.Module | Callable[..., Any],
     topology: Topology | None = None,
-    metrics: Mapping[str, Metric | MetricCollection | MeshMetric] | None = None,
+    metrics: Mapping[str, Metric | MetricCollection | MeshMetric | IgniteMetric] | None = None,
     *,
     forward: Callable[[Any, Batch], Any] | None = None,
     select: Select | None = None,
@@ -174,6 +185,10 @@ def create_evaluator(
     dims, and ``engine.state.metrics`` holds the same values on every rank. A plain ``Metric`` or
     ``MetricCollection`` is wrapped as ``MeshMetric(metric, topology, split_inputs=split_inputs,
     replica_check=replica_check)``; to read a metric's state after a run, pass your own ``MeshMetric``.
+    ``engine.state.output`` is ``select(output, batch)``, ``(y_pred, y)`` by default, as ignite metrics expect:
+    ignite metrics given in ``metrics`` or attached to the engine the ignite way (``Accuracy().attach(evaluator,
+    "acc")``) are made mesh-correct at ``STARTED`` by :func:`~meshwise.metrics.adopt_ignite_metrics` (padded rows
+    left out, reductions over the batch + split dims only, fused).
 
     At ``STARTED`` a loader made with ``mesh_dataloader(..., mode="train")`` is refused with
     :class:`MetricError` (it shuffles and drops the last partial batch). When the run completes, FSDP2
@@ -201,6 +216,7 @@ def create_evaluator(
 
     def started(e: Engine) -> None:
         check_eval_loader(e.state.dataloader)
+        adopt_ignite_metrics(e, topo, split_inputs=split_inputs)
         if isinstance(model, nn.Module):
             was_training[:] = [model.training]
             model.eval()

@@ -3,13 +3,24 @@
 :class:`MeshMetric` attaches a torchmetrics ``Metric`` or ``MetricCollection`` to a :class:`~meshwise.Topology`
 (:mod:`~meshwise.metrics.mesh_metric`); :class:`MeanLoss` is a sample- or token-weighted mean
 (:mod:`~meshwise.metrics.mean_loss`); :func:`compute_all` fuses several metrics into one sync
-(:mod:`~meshwise.metrics.sync`). ``MetricSyncTimeout`` lives in :mod:`meshwise.errors` and is re-exported here.
+(:mod:`~meshwise.metrics.sync`); :func:`adopt_ignite_metrics` does the same for ignite's own metrics attached to an
+``Engine`` (:mod:`~meshwise.metrics.ignite_metrics`). ``MetricSyncTimeout`` lives in :mod:`meshwise.errors` and
+is re-exported here.
 """
 
 from __future__ import annotations
 
 from meshwise.errors import MetricSyncTimeout
+from meshwise.metrics.ignite_metrics import adopt_ignite_metrics
 from meshwise.metrics.mean_loss import MeanLoss
 from meshwise.metrics.mesh_metric import MeshMetric, Select, compute_all, filter_rows
 
-__all__ = ["MeanLoss", "MeshMetric", "MetricSyncTimeout", "Select", "compute_all", "filter_rows"]
+__all__ = [
+    "MeanLoss",
+    "MeshMetric",
+    "MetricSyncTimeout",
+    "Select",
+    "adopt_ignite_metrics",
+    "compute_all",
+    "filter_rows",
+]
