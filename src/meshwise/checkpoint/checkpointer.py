@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import logging
 import os
@@ -21,14 +20,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, OBJECTS_DIR, RNG_DIR, CheckpointFolder
+from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
 from meshwise.checkpoint.state import (
     apply_dcp_state,
     classify,
     dcp_state,
     digest,
+    holds_tensors,
     load_object,
+    mesh_text,
     optimizer_owners,
+    read_object,
+    record,
     rederive_rng,
     rng_state,
     set_rng_state,
@@ -58,19 +61,6 @@ class CheckpointInfo:
     rng: str  # "restored", "re-derived" or "not restored"
     message: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _mesh_text(dims: Mapping[str, int]) -> str:
-    return " x ".join(f"{d}={s}" for d, s in dims.items()) or "-"
-
-
-def _meshwise_version() -> str:
-    try:
-        from meshwise import __version__
-
-        return __version__
-    except ImportError:  # pragma: no cover
-        return "unknown"
 
 
 def _check_options(keep_last: Any, keep_best: Any, score: Any, mode: Any) -> None:
@@ -230,51 +220,81 @@ class Checkpointer:
         kinds = classify(objects)
         owners = optimizer_owners(objects, kinds)
         started = time.time()
-        tmp = self.folder.tmp_path(step)
-        self._on_rank0(lambda: self.folder.prepare(step, (OBJECTS_DIR, RNG_DIR)))
-
         fresh = {n for n, k in kinds.items() if k == "optimizer" and not objects[n].state}
         use_dcp = any(k in ("module", "optimizer") and n not in fresh for n, k in kinds.items())
-        # an async save writes the small files in its background thread
-        local, small, score = self._stage_small(tmp, objects, kinds, write_now=not (self.async_save and use_dcp))
-        meta = self._record(step, started, kinds, owners, fresh, score, use_dcp)
-        state = dcp_state(objects, kinds, owners, skip=fresh)
-        if self.async_save and use_dcp:
-            self._start_async(step, tmp, state, meta, local, small)
-        else:
-            self._save_now(step, tmp, state, meta, local)
+        error, score, small = None, None, {}
+        try:  # reported at the commit, so that no rank is left waiting in a collective
+            small = {n: objects[n].state_dict() for n, k in kinds.items() if k == "state"}
+            score = self._score_value(objects) if self.topology.rank == 0 else None
+        except Exception as exc:  # noqa: BLE001
+            error = f"{type(exc).__name__}: {exc}"
+        meta = record(
+            self.topology, step, started, kinds, owners, fresh, score, use_dcp, self._score_name, self.rng_seed
+        )
+        self._write(step, dcp_state(objects, kinds, owners, skip=fresh), small, meta, rng=True, error=error)
         self._last_saved = step
         return self.step_path(step)
 
+    def save_states(self, name: str, states: Mapping[str, Any], info: Mapping[str, Any] | None = None) -> Path:
+        """Save plain state dicts (as ignite's ``Checkpoint`` builds them) as the checkpoint folder ``root/name``.
+
+        Each state dict holding a tensor goes through DCP (each rank writes its shards of DTensors; a plain
+        tensor is written once); the others are rank 0's copy. No RNG states, no ``latest``, no retention: the
+        caller keeps its own list (``folder.remove(name)``). ``info`` goes into the metadata record.
+        """
+        self.wait()
+        entry_name(name)
+        started = time.time()
+        kinds = {n: ("tensors" if holds_tensors(sd) else "state") for n, sd in states.items()}
+        tensors = {n: sd for n, sd in states.items() if kinds[n] == "tensors"}
+        small = {n: sd for n, sd in states.items() if kinds[n] == "state"}
+        meta = record(self.topology, name, started, kinds, {}, (), None, bool(tensors), None)
+        meta["info"] = dict(info or {})
+        self._write(name, tensors, small, meta, rng=False, error=None)
+        return self.folder.entry_path(name)
+
+    def _write(
+        self, entry: int | str, state: dict[str, Any], small: dict[str, Any], meta: dict, *, rng: bool, error: Any
+    ) -> None:
+        """Write ``state`` through DCP, ``small`` (rank 0) and the RNG states into ``entry``'s folder, atomically."""
+        tmp = self.folder.tmp_path(entry)
+        self._on_rank0(lambda: self.folder.prepare(entry, (OBJECTS_DIR, RNG_DIR)))
+        use_dcp = meta["dcp"]
+        # an async save writes the small files in its background thread
+        local, files = self._stage_small(tmp, small, rng, error, write_now=not (self.async_save and use_dcp))
+        if self.async_save and use_dcp:
+            self._start_async(entry, tmp, state, meta, local, files)
+        else:
+            self._save_now(entry, tmp, state, meta, local)
+
     def _stage_small(
-        self, tmp: Path, objects: Mapping[str, Any], kinds: Mapping[str, str], *, write_now: bool
-    ) -> tuple[dict[str, Any], dict[Path, Any], float | None]:
-        """This rank's RNG states and (rank 0) the other objects' states, as files to write; also the score.
+        self, tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None, *, write_now: bool
+    ) -> tuple[dict[str, Any], dict[Path, Any]]:
+        """This rank's RNG states and (rank 0) the other objects' states, as files to write.
 
         Returns this rank's report for the commit (its error, the digests of its objects' states, compared
-        there across ranks), the files not yet written, and the score (rank 0).
+        there across ranks) and the files not yet written.
         """
         rank = self.topology.rank
-        error = None
         digests: dict[str, str | None] = {}
-        small: dict[Path, Any] = {}
-        score = None
+        files: dict[Path, Any] = {}
         try:
-            small[tmp / RNG_DIR / f"rank-{rank:05d}.pt"] = rng_state(self.topology.device)
-            for name, kind in kinds.items():
-                if kind != "state":
-                    continue
-                sd = objects[name].state_dict()
+            if rng:
+                files[tmp / RNG_DIR / f"rank-{rank:05d}.pt"] = rng_state(self.topology.device)
+            for name, sd in small.items():
                 digests[name] = digest(sd)
                 if rank == 0:
-                    small[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
-            score = self._score_value(objects) if rank == 0 else None
+                    files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
         except Exception as exc:  # noqa: BLE001 - reported at the commit, so async saves do not wait here
-            error = f"{type(exc).__name__}: {exc}"
+            error = error or f"{type(exc).__name__}: {exc}"
         if error is None and write_now:
-            error = write_files(small)
-            small = {}
-        return {"error": error, "digests": digests}, small, score
+            error = write_files(files)
+            files = {}
+        return {"error": error, "digests": digests}, files
+
+    @property
+    def _score_name(self) -> str | None:
+        return self.score if isinstance(self.score, str) else None
 
     def _score_value(self, objects: Mapping[str, Any]) -> float | None:
         if self.score is None:
@@ -295,40 +315,7 @@ class Checkpointer:
         except (TypeError, ValueError):
             raise CheckpointError(f"score {self.score!r} gave {value!r}, not a number") from None
 
-    def _record(
-        self,
-        step: int,
-        started: float,
-        kinds: Mapping[str, str],
-        owners: Mapping[str, str],
-        fresh: set[str],
-        score: float | None,
-        use_dcp: bool,
-    ) -> dict[str, Any]:
-        """The metadata record of a checkpoint (``meshwise.json``)."""
-        topo = self.topology
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "step": step,
-            "time": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(),
-            "unix_time": started,
-            "mesh": {"dims": list(topo.dims), "sizes": [topo.sizes[d] for d in topo.dims], "roles": topo.roles},
-            "world_size": topo.world_size,
-            "backend": topo.backend,
-            "torch": torch.__version__,
-            "meshwise": _meshwise_version(),
-            "objects": {
-                n: {"kind": k, **({"module": owners[n], "fresh": n in fresh} if k == "optimizer" else {})}
-                for n, k in kinds.items()
-            },
-            "score": score,
-            "score_name": self.score if isinstance(self.score, str) else None,
-            "rng_seed": self.rng_seed,
-            "dcp": use_dcp,
-        }
-
-    def _save_now(self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict) -> None:
+    def _save_now(self, step: int | str, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -340,7 +327,7 @@ class Checkpointer:
         self._commit(step, tmp, meta, local, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
 
     def _start_async(
-        self, step: int, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict, small: dict[Path, Any]
+        self, step: int | str, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict, small: dict
     ) -> None:
         import torch.distributed.checkpoint as dcp
 
@@ -359,7 +346,7 @@ class Checkpointer:
         self._pending.start()
 
     def _finish_async(
-        self, future: Any, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], small: dict[Path, Any]
+        self, future: Any, step: int | str, tmp: Path, meta: dict[str, Any], local: dict[str, Any], small: dict
     ) -> None:
         try:
             if local["error"] is None:
@@ -373,7 +360,7 @@ class Checkpointer:
             self._pending_error = exc
 
     def _commit(
-        self, step: int, tmp: Path, meta: dict[str, Any], local: dict[str, Any], group: Any, *, defer: bool
+        self, step: int | str, tmp: Path, meta: dict[str, Any], local: dict[str, Any], group: Any, *, defer: bool
     ) -> None:
         """After every rank wrote its part, rank 0 writes the metadata and renames ``step-N.tmp`` to ``step-N``.
 
@@ -476,7 +463,7 @@ class Checkpointer:
         if same_mesh:
             message = (
                 f"meshwise checkpoint: loaded step-{number} from {self.root} at the mesh it was saved at "
-                f"({_mesh_text(mesh)})"
+                f"({mesh_text(mesh)})"
             )
         else:
             message = self._reshard_message(number, meta, saved_mesh, dcp_names, kinds, rng)
@@ -500,6 +487,52 @@ class Checkpointer:
         number, path = self.folder.find(step)
         return number, str(path), read_record(path, kinds)
 
+    def _read_dcp(self, path: Path, state: dict[str, Any]) -> None:
+        """Check ``state``'s keys and global shapes against ``path`` (rank 0), then read it in place, resharded."""
+        self._on_rank0(lambda: check_keys(path, state))
+        import torch.distributed.checkpoint as dcp
+
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as exc:
+            raise CheckpointError(f"reading {path} failed: {exc}") from exc
+
+    def load_states(self, entry: int | str | os.PathLike, targets: Mapping[str, Any]) -> dict[str, Any]:
+        """Read the state dicts named in ``targets`` from a checkpoint of :meth:`save_states` or :meth:`save`.
+
+        ``entry``: a step, ``"latest"``, a name under ``root`` or a checkpoint folder's path. ``targets`` maps each
+        name to a state dict to fill in place (its tensors read through DCP, resharded to the tensors' placements:
+        pass the live objects' ``state_dict()``); a name saved without tensors gets rank 0's saved copy instead.
+        Returns name → state dict. Everything is checked (rank 0) before anything is read. Call on all ranks.
+        """
+        self.wait()
+        path_text, meta = self._on_rank0(lambda: self._locate(entry, list(targets)))
+        path = Path(path_text)
+        kinds = {n: meta["objects"][n]["kind"] for n in targets}
+        out = {n: targets[n] for n in targets if kinds[n] != "state"}
+        if out:
+            self._read_dcp(path, out)
+        for name in targets:
+            if kinds[name] == "state":
+                out[name] = read_object(path / OBJECTS_DIR / f"{name}.pt")
+        return {n: out[n] for n in targets}
+
+    def _locate(self, entry: int | str | os.PathLike, names: list[str]) -> tuple[str, dict[str, Any]]:
+        """Rank 0: the folder of ``entry`` and its metadata record, checked to hold ``names`` whole."""
+        if isinstance(entry, int) or entry == "latest":
+            path = self.folder.find(entry)[1]
+        elif isinstance(entry, str) and "/" not in entry and os.sep not in entry:
+            path = self.folder.entry_path(entry)
+        else:
+            path = Path(entry)
+        if not path.is_dir():
+            raise CheckpointError(f"no checkpoint folder {path}: pass a folder a save wrote under {self.root}")
+        saved = read_record(path, {})["objects"]
+        absent = [n for n in names if n not in saved]
+        if absent:
+            raise CheckpointError(f"checkpoint {path} has no object(s) {absent}; it holds {sorted(saved)}")
+        return str(path), read_record(path, {n: saved[n]["kind"] for n in names})
+
     def _load_dcp(
         self,
         path: Path,
@@ -515,17 +548,11 @@ class Checkpointer:
             was_empty = {n for n in names if kinds[n] == "optimizer" and not objects[n].state}
             state = dcp_state(objects, kinds, owners, skip=set(kinds) - set(names))
             try:
-                self._on_rank0(lambda: check_keys(path, state))
+                self._read_dcp(path, state)
             except CheckpointError:
                 for n in was_empty:
                     objects[n].state.clear()  # get_optimizer_state_dict initialised it; leave it as it was
                 raise
-            import torch.distributed.checkpoint as dcp
-
-            try:
-                dcp.load(state, checkpoint_id=str(path))
-            except Exception as exc:
-                raise CheckpointError(f"reading {path} failed: {exc}") from exc
             apply_dcp_state(objects, kinds, owners, names, state)
         for n in saved_fresh:
             objects[n].state.clear()  # saved before its first step: it had no state
@@ -555,8 +582,8 @@ class Checkpointer:
         rng: str,
     ) -> str:
         parts = [
-            f"meshwise checkpoint: loaded step-{step} from {self.root}, resharded from mesh {_mesh_text(saved_mesh)} "
-            f"(world {meta.get('world_size')}) to {_mesh_text(self.topology.sizes)} (world {self.topology.world_size})"
+            f"meshwise checkpoint: loaded step-{step} from {self.root}, resharded from mesh {mesh_text(saved_mesh)} "
+            f"(world {meta.get('world_size')}) to {mesh_text(self.topology.sizes)} (world {self.topology.world_size})"
         ]
         if dcp_names:
             parts.append(f"DCP resharded {', '.join(dcp_names)}")

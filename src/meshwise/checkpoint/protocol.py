@@ -27,6 +27,7 @@ __all__ = [
     "OBJECTS_DIR",
     "RNG_DIR",
     "CheckpointFolder",
+    "entry_name",
     "fsync_dir",
     "fsync_tree",
     "write_file",
@@ -43,6 +44,30 @@ RNG_DIR = "rng"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-\d+(\.[A-Za-z0-9_-]+)?\.tmp$")
+
+
+def entry_name(entry: int | str) -> str:
+    """The folder name of a checkpoint: ``step-N`` for a step, else the name itself (an ignite file name).
+
+    A name must be one folder name that cannot be taken for a step, a temporary folder or a root file.
+    """
+    if isinstance(entry, int) and not isinstance(entry, bool):
+        return f"step-{entry}"
+    name = str(entry)
+    if (
+        not isinstance(entry, str)
+        or not name
+        or name != Path(name).name
+        or name.startswith(".")
+        or name.endswith(".tmp")
+        or _STEP_DIR.match(name)
+        or name in (LATEST, MARKER, META)
+    ):
+        raise CheckpointError(
+            f"{entry!r} cannot name a checkpoint folder: use a step number, or a single folder name that does not "
+            "start with '.' or 'step-N', end with '.tmp', or contain '/'"
+        )
+    return name
 
 
 def fsync_dir(path: Path) -> None:
@@ -107,9 +132,13 @@ class CheckpointFolder:
         """The folder of the committed checkpoint of ``step``."""
         return self.root / f"step-{int(step)}"
 
-    def tmp_path(self, step: int) -> Path:
-        """The folder a save of ``step`` writes into until it is whole."""
-        return self.root / f"step-{int(step)}.tmp"
+    def entry_path(self, entry: int | str) -> Path:
+        """The folder of the committed checkpoint ``entry`` (a step or a name, see :func:`entry_name`)."""
+        return self.root / entry_name(entry)
+
+    def tmp_path(self, entry: int | str) -> Path:
+        """The folder a save of ``entry`` writes into until it is whole."""
+        return self.root / f"{entry_name(entry)}.tmp"
 
     def committed(self) -> dict[int, Path]:
         """Committed checkpoints (a ``step-N`` folder with its metadata record), by step."""
@@ -189,7 +218,7 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------------ writing
 
-    def prepare(self, step: int, subdirs: Iterable[str]) -> None:
+    def prepare(self, step: int | str, subdirs: Iterable[str]) -> None:
         """Create the root (with its marker) and an empty :meth:`tmp_path` holding ``subdirs``."""
         self.check_root(for_save=True)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -203,15 +232,17 @@ class CheckpointFolder:
         for name in subdirs:
             (tmp / name).mkdir()
 
-    def publish(self, step: int, tmp: Path, record: str, *, defer: bool) -> None:
+    def publish(self, step: int | str, tmp: Path, record: str, *, defer: bool) -> None:
         """Write the metadata ``record`` into ``tmp``, rename it to ``step-N``, then move ``latest`` and prune.
 
-        With ``defer`` the files are not yet on disk (no fsync so far): a thread makes them durable before
-        ``latest`` moves, so the caller does not wait for the disk; until then ``latest`` still names the
-        previous, whole, checkpoint. Its error is kept for :meth:`take_error`.
+        A named checkpoint (``step`` a str) moves neither ``latest`` nor prunes: its owner (ignite's
+        ``Checkpoint``) keeps its own list and deletes with :meth:`remove`. With ``defer`` the files are not yet
+        on disk (no fsync so far): a thread makes them durable before ``latest`` moves, so the caller does not
+        wait for the disk; until then ``latest`` still names the previous, whole, checkpoint. Its error is kept
+        for :meth:`take_error`.
         """
         write_file(tmp / META, record, fsync=not defer)
-        final = self.step_path(step)
+        final = self.entry_path(step)
         trash = []
         if final.exists():  # the same step saved again (e.g. after resuming from an older one)
             trash.append(self._to_trash(final))
@@ -224,11 +255,14 @@ class CheckpointFolder:
         else:
             self._finalize(step, final, trash, False)
 
-    def _finalize(self, step: int, final: Path, trash: list[Path], threaded: bool) -> None:
+    def _finalize(self, step: int | str, final: Path, trash: list[Path], threaded: bool) -> None:
         try:
             if threaded:
                 fsync_tree(final)
             fsync_dir(self.root)
+            if isinstance(step, str):
+                self._discard(trash)
+                return
             write_file(self.root / LATEST, f"step-{step}\n")
             self._discard(trash + self._prune(step))
         except BaseException as exc:
@@ -258,10 +292,17 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------------ retention and deletion
 
+    def remove(self, name: str) -> None:
+        """Delete the named checkpoint ``name`` (renamed away first, atomic; deleted in the background)."""
+        path = self.entry_path(name)
+        if path.is_dir():
+            self._discard([self._to_trash(path)])
+
     def _to_trash(self, path: Path) -> Path:
         """Rename a folder out of the way (atomic), so that a crash leaves a stale ``.tmp``, never a half folder."""
         self._trash_count += 1
-        doomed = self.root / f"{path.name.split('.')[0]}.trash-{os.getpid()}-{self._trash_count}.tmp"
+        stem = path.name.split(".")[0] if _STEP_DIR.match(path.name.split(".")[0]) else path.name
+        doomed = self.root / f"{stem}.trash-{os.getpid()}-{self._trash_count}.tmp"
         os.rename(path, doomed)
         return doomed
 

@@ -7,6 +7,7 @@ each rank's RNG streams are saved, restored at the same mesh, or re-derived at a
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import pickle
 import random
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.parallel.apply import reshard
 
@@ -28,9 +30,13 @@ __all__ = [
     "dcp_state",
     "derived_seed",
     "digest",
+    "holds_tensors",
     "load_object",
+    "mesh_text",
     "object_kind",
     "optimizer_owners",
+    "read_object",
+    "record",
     "rederive_rng",
     "rng_state",
     "set_rng_state",
@@ -200,15 +206,84 @@ def warn_differences(reports: list[dict[str, Any]]) -> None:
             )
 
 
-def load_object(name: str, obj: Any, file: Path) -> None:
-    """Load ``file`` (rank 0's copy of the state of ``name``) into ``obj``; raises naming the file."""
+def holds_tensors(state: Any) -> bool:
+    """True when a (nested) state dict holds a tensor: such state goes through DCP."""
+    if isinstance(state, torch.Tensor):
+        return True
+    if isinstance(state, Mapping):
+        return any(holds_tensors(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return any(holds_tensors(v) for v in state)
+    return False
+
+
+def read_object(file: Path) -> Any:
+    """Read ``file`` (rank 0's copy of an object's state); raises naming the file."""
     try:
-        sd = torch.load(file, weights_only=False)
+        return torch.load(file, weights_only=False)
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}): it is damaged") from exc
+
+
+def load_object(name: str, obj: Any, file: Path) -> None:
+    """Load ``file`` (rank 0's copy of the state of ``name``) into ``obj``; raises naming the file."""
+    sd = read_object(file)
     try:
         obj.load_state_dict(sd)
     except MeshwiseError:
         raise
     except Exception as exc:
         raise CheckpointError(f"{name}.load_state_dict() rejected {file}: {type(exc).__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- the metadata record
+
+
+def mesh_text(dims: Mapping[str, int]) -> str:
+    """``dp=2 x tp=2`` (``-`` for no dims)."""
+    return " x ".join(f"{d}={s}" for d, s in dims.items()) or "-"
+
+
+def _meshwise_version() -> str:
+    try:
+        from meshwise import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def record(
+    topo: Any,
+    entry: int | str,
+    started: float,
+    kinds: Mapping[str, str],
+    owners: Mapping[str, str],
+    fresh: Collection[str],
+    score: float | None,
+    use_dcp: bool,
+    score_name: str | None,
+    rng_seed: int = 0,
+) -> dict[str, Any]:
+    """The metadata record (``meshwise.json``) of checkpoint ``entry`` (a step, or a name) saved on ``topo``."""
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": entry if isinstance(entry, int) else None,
+        **({"name": entry} if isinstance(entry, str) else {}),
+        "time": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(),
+        "unix_time": started,
+        "mesh": {"dims": list(topo.dims), "sizes": [topo.sizes[d] for d in topo.dims], "roles": topo.roles},
+        "world_size": topo.world_size,
+        "backend": topo.backend,
+        "torch": torch.__version__,
+        "meshwise": _meshwise_version(),
+        "objects": {
+            n: {"kind": k, **({"module": owners[n], "fresh": n in fresh} if k == "optimizer" else {})}
+            for n, k in kinds.items()
+        },
+        "score": score,
+        "score_name": score_name,
+        "rng_seed": rng_seed,
+        "dcp": use_dcp,
+    }

@@ -43,7 +43,7 @@ def read_record(path: Path, kinds: Mapping[str, str]) -> dict[str, Any]:
     for n, k in kinds.items():
         if k == "state" and not (path / OBJECTS_DIR / f"{n}.pt").is_file():
             raise CheckpointError(f"{path / OBJECTS_DIR / (n + '.pt')} is missing: the checkpoint is incomplete")
-    if meta.get("dcp") and any(k in ("module", "optimizer") for k in kinds.values()):
+    if meta.get("dcp") and any(k in ("module", "optimizer", "tensors") for k in kinds.values()):
         check_shards(path)
     return meta
 

@@ -1,0 +1,125 @@
+"""Export: one consolidated, plain ``state_dict`` file from any meshwise checkpoint, for inference without meshwise.
+
+``export(src, out)`` reads only the model's tensors (whole, at their global shapes) in one process, no process
+group needed; ``python -m meshwise.checkpoint.export SRC OUT`` does the same from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshwise.checkpoint.protocol import LATEST, MARKER, META
+from meshwise.checkpoint.validation import check_shards, read_record
+from meshwise.errors import CheckpointError
+
+__all__ = ["export", "main"]
+
+
+def _folder(src: Path) -> Path:
+    """The checkpoint folder ``src`` names: itself, or a root's ``latest`` (else its newest folder)."""
+    if (src / META).is_file():
+        return src
+    if not (src / MARKER).is_file():
+        raise CheckpointError(
+            f"{src} is neither a meshwise checkpoint folder (no {META}) nor a checkpoint root (no {MARKER})"
+        )
+    if (src / LATEST).is_file():
+        return src / (src / LATEST).read_text().strip()
+    found = []
+    for entry in src.iterdir():
+        try:
+            found.append((json.loads((entry / META).read_text())["unix_time"], entry))
+        except (OSError, ValueError, KeyError):
+            continue
+    if not found:
+        raise CheckpointError(f"no complete checkpoint under {src}")
+    return max(found)[1]
+
+
+def _model_key(path: Path, meta: dict[str, Any], key: str) -> str:
+    objects = meta.get("objects", {})
+    single = meta.get("info", {}).get("ignite", {}).get("single")
+    if key not in objects and single and "checkpoint" in objects:
+        key = "checkpoint"  # ignite saved one object; its state dict is kept under ignite's own name
+    if key not in objects:
+        raise CheckpointError(f"checkpoint {path} has no object {key!r}; it holds {sorted(objects)}: pass key=")
+    if objects[key]["kind"] not in ("module", "tensors"):
+        raise CheckpointError(f"{key!r} in {path} is a {objects[key]['kind']}, not a model's tensors: pass key=")
+    return key
+
+
+def export(
+    checkpoint: str | os.PathLike, out_file: str | os.PathLike, key: str = "model", *, overwrite: bool = False
+) -> Path:
+    """Write the model ``key`` of ``checkpoint`` as one ``torch.save`` file of plain, whole tensors.
+
+    ``checkpoint``: a checkpoint folder (``root/step-N`` or a :class:`MeshSaver` folder) or a checkpoint root (its
+    ``latest``, else its newest folder). The keys are the model's own FQNs (as the unwrapped model's
+    ``state_dict()`` has them), so ``model.load_state_dict(torch.load(out_file))`` works in one process without
+    meshwise. An existing ``out_file`` is refused unless ``overwrite=True``; the file appears whole or not at all.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    out = Path(out_file)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
+    path = _folder(Path(checkpoint))
+    key = _model_key(path, read_record(path, {}), key)
+    check_shards(path)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    prefix = f"{key}."
+    target: dict[str, Any] = {}
+    for name, md in saved.items():
+        if not name.startswith(prefix):
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            target[name[len(prefix) :]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        elif isinstance(md, BytesStorageMetadata):
+            target[name[len(prefix) :]] = None  # a non-tensor value (e.g. a module's extra state)
+    if not target:
+        raise CheckpointError(f"{key!r} in {path} holds no tensors to export")
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is what is asked here
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load({key: target}, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"reading {key!r} from {path} failed: {exc}") from exc
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(fd)
+    try:
+        torch.save(target, tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        os.remove(tmp)
+        raise
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m meshwise.checkpoint.export SRC OUT [--key model] [--overwrite]``."""
+    p = argparse.ArgumentParser(prog="python -m meshwise.checkpoint.export", description=export.__doc__.split("\n")[0])
+    p.add_argument("src", help="a checkpoint folder, or a checkpoint root (its latest)")
+    p.add_argument("out", help="the file to write (torch.save of a plain state_dict)")
+    p.add_argument("--key", default="model", help="the saved object to export (default: model)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    a = p.parse_args(argv)
+    try:
+        written = export(a.src, a.out, a.key, overwrite=a.overwrite)
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(f"wrote {written}")
+
+
+if __name__ == "__main__":
+    main()
