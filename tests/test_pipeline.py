@@ -66,7 +66,12 @@ def tp_plan() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {f"blocks.*.attn.{n}": ColwiseParallel() for n in "qkv"}
-    return {**plan, "blocks.*.attn.o": RowwiseParallel(), "blocks.*.fc1": ColwiseParallel(), "blocks.*.fc2": RowwiseParallel()}
+    return {
+        **plan,
+        "blocks.*.attn.o": RowwiseParallel(),
+        "blocks.*.fc1": ColwiseParallel(),
+        "blocks.*.fc2": RowwiseParallel(),
+    }
 
 
 def dataset() -> dict[str, torch.Tensor]:
@@ -110,24 +115,32 @@ def max_diff(model: nn.Module, ref: dict) -> float:
     return worst
 
 
-def train(topo, schedule: str, microbatches: int, steps: int = STEPS, **kw):
-    """A user's script: parallelize, AdamW, create_trainer with clipping, one epoch of the padded loader."""
-    from ignite.engine import Events
-
+def build(topo, schedule: str = "1F1B", microbatches: int = 2, **kw):
+    """A user's script: full weights under one seed, parallelize over the mesh, AdamW, a trainer with clipping."""
     import meshwise
 
     torch.manual_seed(0)
     net = Net().double()
-    ref = reference(copy.deepcopy(net), steps)
     plan = tp_plan() if topo.size(topo.replica_dims) > 1 else None
     model = meshwise.parallelize(net, topo, tp_plan=plan, schedule=schedule, microbatches=microbatches, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     trainer = meshwise.create_trainer(model, opt, F.mse_loss, topo, grad_clip=CLIP)
+    return net, model, opt, trainer
+
+
+FIELDS = {"first": ["input"], "last": ["target"]}
+
+
+def train(topo, schedule: str, microbatches: int, **kw) -> tuple[nn.Module, dict]:
+    """Five steps of the padded loader; the largest parameter difference from one process, and what ranks saw."""
+    from ignite.engine import Events
+
+    net, model, opt, trainer = build(topo, schedule, microbatches, **kw)
+    ref = reference(copy.deepcopy(net))
     seen = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append((e.state.output, e.state.grad_norm)))
-    fields = {"first": ["input"], "last": ["target"]}
-    trainer.run(loader(topo, fields), max_epochs=1, epoch_length=steps)
-    return model, {"diff": max_diff(model, ref), "seen": seen, "params": len(list(model.parameters()))}
+    trainer.run(loader(topo, FIELDS), max_epochs=1)
+    return model, {"diff": max_diff(model, ref), "seen": seen}
 
 
 def _equivalence(topo, runs: list[tuple[str, int]]) -> dict:
@@ -139,9 +152,18 @@ def _check(results: list[dict], tol: float = 1e-12) -> None:
         for key, r in per_rank.items():
             assert r["diff"] <= tol, (rank, key, r["diff"])
             assert r["seen"] == results[0][key]["seen"], "state.output / grad_norm differ between ranks"
-            assert r["seen"][0][1] > CLIP, "the clip threshold should bite"
+            assert len(r["seen"]) == STEPS and r["seen"][0][1] > CLIP, "five steps; the clip threshold bites"
 
 
 def test_pp2_gpipe_1f1b_interleaved_match_one_process():
     runs = [("GPipe", 2), ("1F1B", 4), ("Interleaved1F1B", 2)]
     _check(run_distributed(_equivalence, 2, runs, mesh={"pp": 2}, timeout=200))
+
+
+def test_pp2_tp2_1f1b_matches_one_process():
+    _check(run_distributed(_equivalence, 4, [("1F1B", 2)], mesh={"pp": 2, "tp": 2}, timeout=200))
+
+
+@pytest.mark.slow
+def test_pp2_dp2_tp2_interleaved_matches_one_process():
+    _check(run_distributed(_equivalence, 8, [("Interleaved1F1B", 2)], mesh={"pp": 2, "dp": 2, "tp": 2}, timeout=400))
