@@ -10,14 +10,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ignite.engine import Engine
+from ignite.engine import Engine, Events
 from torch import nn
 
 from meshwise.debug import guarded
+from meshwise.debug.replicas import check_replicas, needs_check
 from meshwise.engine.batch import Batch, local_value, ready_batch, row_count, split_rows, take_rows
-from meshwise.errors import MeshwiseError, ParallelError
+from meshwise.engine.ignite_habits import check_model, run_ignite_checks
+from meshwise.errors import MeshwiseError
 from meshwise.parallel.apply import (
-    check_data_parallel,
     clip_coefficient,
     local_norm_contribution,
     norm_from_power,
@@ -48,13 +49,7 @@ def _check_options(
 
 
 def _check_placement(model: nn.Module, topo: Topology) -> None:
-    kind = check_data_parallel(model)
-    data_parallel = topo.size(topo.metric_dims)
-    if data_parallel > 1 and kind is None:
-        raise ParallelError(
-            f"the model is not data parallel over the metric dims {topo.metric_dims} ({data_parallel} ranks), so "
-            "their gradients would never be averaged: call meshwise.parallelize(model, topo) first"
-        )
+    check_model(model, topo)  # also refuses idist.auto_model's DDP over the whole world beside tp/cp dims
 
 
 class TrainStep:
@@ -104,11 +99,16 @@ class TrainStep:
         self.replica_copies = topo.world_size // self.data_parallel
         self.no_sync = accumulation_steps > 1 and hasattr(model, "set_requires_gradient_sync")
         self.reference = 1.0
+        self.replicas_checked = not needs_check(topo)  # the first step compares batches (every step in debug)
         self.loss_count: float | None = None
         self.grad_norm: float | None = None
 
     def __call__(self, engine: Engine, batch: Batch) -> float:
         topo = self.topology
+        if not self.replicas_checked or topo.debug:
+            # One small all-gather: a loader that gives tp (or cp) peers different samples stops here.
+            check_replicas(topo, batch, engine.state.iteration)
+            self.replicas_checked = True
         # Every rank takes part in some collective of a step (FSDP, TP, the loss reduction): if one fails, the
         # error names the step and the ranks that never started it, e.g. one that left its loop early.
         with guarded(topo, topo.dims, "trainer step", step=engine.state.iteration, region=True):
@@ -277,4 +277,7 @@ def create_trainer(
         input_key=input_key,
         target_key=target_key,
     )
-    return Engine(step)
+    engine = Engine(step)
+    # ignite's own metrics and checkpoint handlers attached to it, and its loader's sampler, checked at each run
+    engine.add_event_handler(Events.STARTED, run_ignite_checks, step.topology)
+    return engine
