@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -410,6 +411,7 @@ def _grid_rank(topo, data: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_grid_2x2_3d_example_parts_from_model_and_placements(tmp_path):
     inputs, targets = generate.generate(GRID_SAMPLES, GRID_SIZE, steps=2, seed=5, spatial=3)
     assert np.abs(targets[:, 0] - inputs[:, 0]).max() > 1e-3
