@@ -167,3 +167,83 @@ def test_pp2_tp2_1f1b_matches_one_process():
 @pytest.mark.slow
 def test_pp2_dp2_tp2_interleaved_matches_one_process():
     _check(run_distributed(_equivalence, 8, [("Interleaved1F1B", 2)], mesh={"pp": 2, "dp": 2, "tp": 2}, timeout=400))
+
+
+def eval_reference(params: dict) -> float:
+    """Mean squared error over every sample, plain torch on one process, from the one-process parameters."""
+    net = Net().double()
+    net.load_state_dict(params)
+    data = dataset()
+    with torch.no_grad():
+        return F.mse_loss(net(data["input"]), data["target"]).item()
+
+
+def evaluate(topo, model) -> float:
+    import meshwise
+    from torchmetrics import MeanSquaredError
+
+    evaluator = meshwise.create_evaluator(model, topo, {"mse": MeanSquaredError().set_dtype(torch.float64)})
+    evaluator.run(loader(topo, FIELDS, mode="eval", batch=12))  # 37 samples: the last batch padded
+    return evaluator.state.metrics["mse"]
+
+
+def epoch_bytes(topo, fields) -> int:
+    data = loader(topo, fields)
+    for _ in data:
+        pass
+    return data.bytes_read
+
+
+def _pp2_dp2(topo, folder: str) -> dict:
+    """GPipe equivalence and evaluation, bytes read by stage, a checkpoint after 3 steps, and bad input."""
+    import meshwise
+
+    model, out = train(topo, "GPipe", 2)
+    torch.manual_seed(0)
+    out["eval"] = evaluate(topo, model)
+    out["eval_ref"] = eval_reference(reference(Net().double()))
+    out["bytes"] = (epoch_bytes(topo, FIELDS), epoch_bytes(topo, None))
+    _, model, opt, trainer = build(topo, "1F1B", 2)
+    data = loader(topo, FIELDS)
+    trainer.run(data, max_epochs=1, epoch_length=3)
+    ckpt = meshwise.Checkpointer(folder, topo, verbose=False)
+    ckpt.save(3, model=model, optimizer=opt, loader=data)
+    ckpt.close()
+    out["errors"] = bad_inputs(topo)
+    return out
+
+
+def bad_inputs(topo) -> list[str]:
+    """Each raises ParallelError before any collective (every rank raises alike, nothing hangs)."""
+    import meshwise
+    from meshwise.errors import ParallelError
+
+    messages = []
+    for kw, match in [
+        ({"cut": ["blocks.9"]}, "blocks.9"),
+        ({"cut": ["blocks.2", "head"]}, "need 1"),
+        ({"stages_per_rank": 3, "schedule": "Interleaved1F1B"}, "6 pipeline stages"),
+        ({"schedule": "ZeroBubble"}, "ZeroBubble"),
+        ({"microbatches": 0}, "microbatches"),
+    ]:
+        with pytest.raises(ParallelError, match=match) as e:
+            meshwise.parallelize(Net().double(), topo, **kw)
+        messages.append(str(e.value))
+    _, _, _, trainer = build(topo, "GPipe", 3)  # 3 micro-batches of a local batch of 4
+    with pytest.raises(ParallelError, match="does not divide the local batch of 4") as e:
+        trainer.run(loader(topo, FIELDS), max_epochs=1)
+    messages.append(str(e.value))
+    return messages
+
+
+def test_pp2_dp2_gpipe_eval_stage_reads_checkpoint_and_bad_input(tmp_path):
+    results = run_distributed(_pp2_dp2, 4, str(tmp_path), mesh={"pp": 2, "dp": 2}, timeout=300)
+    _check([{"gpipe": r} for r in results])
+    for rank, r in enumerate(results):
+        assert abs(r["eval"] - r["eval_ref"]) <= 1e-12, (rank, r["eval"], r["eval_ref"])
+        staged, whole = r["bytes"]
+        per_sample = {"input": T * D_IN * 8, "target": T * OUT * 8}
+        share = whole // (per_sample["input"] + per_sample["target"])  # samples this rank read
+        assert staged == share * per_sample["input" if rank < 2 else "target"], (rank, staged, whole)
+        assert len(r["errors"]) == 6
+    print("bytes by stage (staged, whole):", [r["bytes"] for r in results])
