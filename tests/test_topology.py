@@ -13,10 +13,17 @@ import torch
 import torch.distributed as dist
 
 import meshwise
-from meshwise import topology
+from meshwise import launch, topology
 from meshwise.environment import detect_environment, expand_nodelist, parse_tasks_per_node
 from meshwise.errors import CollectiveTimeoutError, MeshwiseError, TopologyError
-from meshwise.layout import Layout, dims_crossing_nodes, placement_warnings
+from meshwise.layout import (
+    AMBIGUOUS_NAMES,
+    DEFAULT_ROLES,
+    Layout,
+    check_rank_grid,
+    dims_crossing_nodes,
+    placement_warnings,
+)
 from meshwise.testing import DistributedFailure, run_command, run_distributed
 from meshwise.topology import group_selections
 
@@ -96,6 +103,58 @@ def test_size_mismatch_message_shows_both_numbers():
     with pytest.raises(TopologyError) as info:
         Layout.resolve({"dp": 2, "tp": 2}, 8)
     assert "4 ranks" in str(info.value) and "world size is 8" in str(info.value)
+
+
+@pytest.mark.parametrize("name", sorted(AMBIGUOUS_NAMES))
+def test_an_ambiguous_dim_name_needs_a_role_and_its_error_shows_every_reading(name):
+    readings = AMBIGUOUS_NAMES[name]
+    assert name not in DEFAULT_ROLES and len({role for role, _, _ in readings}) == len(readings) >= 2
+    with pytest.raises(TopologyError) as info:
+        Layout.resolve({"dp": -1, name: 2}, 8)
+    text = str(info.value)
+    for role, where, holds in readings:
+        assert f"{role!r} in {where} (each rank holds {holds})" in text
+    fixes = " or ".join(f"roles={{{name!r}: {role!r}}}" for role, _, _ in readings)
+    assert f"meshwise.init(..., {fixes})" in text
+    for role, _, _ in readings:  # each reading is one line away
+        assert Layout.resolve({"dp": -1, name: 2}, 8, {name: role}).roles == ("batch", role)
+
+
+def test_physicsnemo_naming_without_roles_is_refused_with_both_readings(capsys):
+    """PhysicsNeMo's names for a spatially parallel run: model_parallel once meant tensor parallel (replica) here."""
+    with pytest.raises(TopologyError) as info:
+        Layout.resolve({"data_parallel": -1, "model_parallel": 4}, 8)
+    text = str(info.value)
+    assert "'replica' in Megatron-LM/fairscale-style tensor parallel" in text
+    assert "'split' in PhysicsNeMo spatial/domain parallel" in text and "roles={'model_parallel': 'split'}" in text
+    assert launch.main(["describe", "--mesh", "data_parallel=-1,model_parallel=4", "--world-size", "8"]) == 2
+    assert "'split' in PhysicsNeMo" in capsys.readouterr().err
+    layout = Layout.resolve({"data_parallel": -1, "model_parallel": 4}, 8, "model_parallel=split")
+    assert layout.roles == ("batch", "split") and layout.dims_with("batch", "split") == layout.dims
+    # several dims without a role: one error naming them all
+    with pytest.raises(TopologyError, match=re.escape("roles={'sp': ..., 'space': ...}")) as info:
+        Layout.resolve({"sp": 2, "space": 2}, 4)
+    assert "mesh dim 'space' has no default role" in str(info.value)
+    # a missing dim is named with the dims the mesh does have, and their roles
+    with pytest.raises(TopologyError, match=re.escape("its dims are dp=2 (batch), tp=2 (replica)")):
+        Layout.resolve("dp=2,tp=2", 4).index("cp")
+
+
+def test_a_rank_grid_must_be_row_major_and_a_transposed_one_is_named():
+    layout = Layout.resolve({"dp": 2, "cp": 3, "tp": 2}, 12)
+    check_rank_grid(layout, torch.arange(12).reshape(2, 3, 2).tolist())  # init_device_mesh's own: accepted
+    # init_device_mesh over (cp, dp, tp), its dims read in (dp, cp, tp) order: a transposition, named
+    transposed = torch.arange(12).reshape(3, 2, 2).permute(1, 0, 2).tolist()
+    with pytest.raises(
+        TopologyError, match=re.escape("init_device_mesh(device, (3, 2, 2), mesh_dim_names=('cp', 'dp', 'tp'))")
+    ):
+        check_rank_grid(layout, transposed)
+    shuffled = [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9], [11, 10]]]  # no order of dims gives this
+    with pytest.raises(TopologyError, match="not place rank r at row-major position r") as info:
+        check_rank_grid(layout, shuffled)
+    assert "Build it with init_device_mesh" in str(info.value)
+    with pytest.raises(TopologyError, match="not a slice"):
+        check_rank_grid(layout, [[0, 1]])
 
 
 def test_detect_environment_for_each_launcher():

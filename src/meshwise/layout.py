@@ -98,7 +98,10 @@ def parse_mesh(mesh: Mapping[str, int] | str | None) -> dict[str, int]:
             raise TopologyError(f"mesh {mesh!r} names dim(s) {duplicates} more than once: give each dim one size")
         mesh = dict(items)
     if not isinstance(mesh, Mapping) or not mesh:
-        raise TopologyError(f"mesh must be a non-empty mapping name -> size or a 'dp=-1,tp=2' string, got {mesh!r}")
+        raise TopologyError(
+            f"mesh must be a non-empty mapping name -> size, a 'dp=-1,tp=2' string or (to meshwise.init) a "
+            f"DeviceMesh with dim names, got {mesh!r}"
+        )
     out: dict[str, int] = {}
     for name, size in mesh.items():
         if not isinstance(name, str) or not _NAME.match(name):
@@ -331,13 +334,13 @@ def check_rank_grid(layout: Layout, grid: Sequence) -> None:
     tensor would make meshwise and the mesh disagree on which rank holds which tile: a
     :class:`TopologyError` instead, naming the dim order that would match when a transposition is all it is.
     """
-    cells = _grid_cells(grid, len(layout.dims))
-    shape = tuple(len(grid_level) for grid_level in _grid_levels(grid, len(layout.dims)))
-    if shape != layout.sizes or len(cells) != layout.world_size:
+    shape = tuple(len(level) for level in _grid_levels(grid, len(layout.dims)))
+    if shape != layout.sizes:
         raise TopologyError(
-            f"the DeviceMesh's rank grid has shape {list(shape)} ({len(cells)} ranks) but its dims are "
-            f"{layout.dims_text()} over a world of {layout.world_size}: pass the root mesh over every rank, not a slice"
+            f"the DeviceMesh's rank grid has shape {list(shape)} but its dims are {layout.dims_text()} over a world "
+            f"of {layout.world_size}: pass the root mesh over every rank, not a slice"
         )
+    cells = _grid_cells(grid, len(layout.dims))
     if cells == list(range(layout.world_size)):
         return
     lookup = {tuple(c): r for c, r in zip(itertools.product(*map(range, layout.sizes)), cells)}
