@@ -172,7 +172,7 @@ def create_evaluator(
     input_key: str = "input",
     target_key: str = "target",
     replica_check: bool | None = None,
-    split_inputs: str = "parts",
+    split_inputs: str | None = None,
 ) -> Engine:
     """An ignite ``Engine`` that evaluates ``model`` on this rank's batches and fills ``engine.state.metrics``.
 
@@ -188,7 +188,8 @@ def create_evaluator(
     ``engine.state.output`` is ``select(output, batch)``, ``(y_pred, y)`` by default, as ignite metrics expect:
     ignite metrics given in ``metrics`` or attached to the engine the ignite way (``Accuracy().attach(evaluator,
     "acc")``) are made mesh-correct at ``STARTED`` by :func:`~meshwise.metrics.adopt_ignite_metrics` (padded rows
-    left out, reductions over the batch + split dims only, fused).
+    left out, reductions over the batch + split dims only, fused). ``split_inputs`` defaults to ``"parts"`` for
+    torchmetrics and to ``"whole"`` for ignite metrics, which count samples (rows); give it to choose for both.
 
     At ``STARTED`` a loader made with ``mesh_dataloader(..., mode="train")`` is refused with
     :class:`MetricError` (it shuffles and drops the last partial batch). When the run completes, FSDP2
@@ -198,7 +199,7 @@ def create_evaluator(
     topo = resolve(topology)
     if not callable(model):
         raise MetricError(f"create_evaluator() needs a model (nn.Module or callable), got {type(model).__name__}")
-    handler = EvalMetrics(metrics, topo, split_inputs=split_inputs, replica_check=replica_check)
+    handler = EvalMetrics(metrics, topo, split_inputs=split_inputs or "parts", replica_check=replica_check)
     step = _EvalStep(
         model,
         topo,
@@ -216,7 +217,8 @@ def create_evaluator(
 
     def started(e: Engine) -> None:
         check_eval_loader(e.state.dataloader)
-        adopt_ignite_metrics(e, topo, split_inputs=split_inputs)
+        # ignite metrics count samples: across split dims only whole-sample outputs can count them once
+        adopt_ignite_metrics(e, topo, split_inputs=split_inputs or "whole")
         if isinstance(model, nn.Module):
             was_training[:] = [model.training]
             model.eval()

@@ -511,7 +511,7 @@ def _sources(metric: Metric) -> list[Metric]:
 
 
 def adopt_ignite_metrics(
-    engine: Engine, topology: Topology | None = None, *, split_inputs: Literal["parts", "whole"] = "parts"
+    engine: Engine, topology: Topology | None = None, *, split_inputs: Literal["parts", "whole"] = "whole"
 ) -> None:
     """Make every ignite ``Metric`` attached to ``engine`` count every valid sample exactly once on the mesh.
 
@@ -521,8 +521,10 @@ def adopt_ignite_metrics(
     (``sync_all_reduce`` and direct ``idist.all_reduce`` calls) go to the group of ``topology.metric_dims``
     (batch + split dims, never replica dims). The metrics computed at the same event are computed together:
     one small layout all-reduce and one fused all-reduce of every state, whatever their number; every rank
-    of the group gets the same value. ``split_inputs`` as for :class:`~meshwise.metrics.MeshMetric`:
-    ``"parts"`` sums the split ranks' parts, ``"whole"`` counts split coordinate 0 only.
+    of the group gets the same value. ``split_inputs`` as for :class:`~meshwise.metrics.MeshMetric`, but
+    ``"whole"`` by default since ignite's metrics count samples (rows): split coordinate 0 counts them;
+    ``"parts"`` sums every split rank's part (right for a ratio of sums over equal parts, e.g. ``Loss`` of a
+    per-token loss over a sequence split in equal chunks).
 
     Call it after attaching the metrics and before ``run`` (``create_evaluator`` calls it at ``STARTED``);
     calling it again adopts the metrics attached since. Raises :class:`MetricError` for a metric that gathers
