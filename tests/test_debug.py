@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 import meshwise
 from meshwise.debug import guarded
-from meshwise.testing import CollectiveCounter, run_command, run_distributed
+from meshwise.debug.crash import read_report
+from meshwise.testing import CollectiveCounter, DistributedFailure, run_command, run_distributed
 
 REAL_ALL_REDUCE = dist.all_reduce  # imported before any init: torch's own
 MESH = {"dp": 2, "tp": 2}  # dp groups [0, 2] and [1, 3]; tp groups [0, 1] and [2, 3]
@@ -355,3 +356,53 @@ if __name__ == "__main__":  # print every message, to read them
         for rank, out in enumerate(run_distributed(fn, 4, timeout=120, run_dir=tempfile.mkdtemp())):
             for key, value in out.items():
                 print(f"--- rank {rank} {key}: {value}", file=sys.stdout)
+
+
+# --------------------------------------------------------------------------- a process gloo aborts
+
+
+def _abort_scenario(run_dir: str) -> None:
+    """Debug off, dp=2 x tp=2, after two trainer steps: data rank 0 computes one metric while data rank 1
+    computes another, larger one on the same dp groups: gloo aborts the receiving process (SIGABRT, "Received
+    data size doesn't match"), which never gets to raise a Python error."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchmetrics import ConfusionMatrix, SumMetric
+
+    from meshwise.metrics import MeshMetric
+
+    topo = meshwise.init(MESH, timeout=TIMEOUT, run_dir=run_dir)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 1))
+    model = meshwise.parallelize(net, topo, tp_plan={"0": ColwiseParallel(), "2": RowwiseParallel()}, dp="fsdp")
+    trainer = meshwise.create_trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.mse_loss)
+    trainer.run([{"input": torch.ones(4, 8), "target": torch.zeros(4, 1)}] * 2, max_epochs=1)
+    total = MeshMetric(SumMetric(), topo)
+    confusion = MeshMetric(ConfusionMatrix(task="multiclass", num_classes=30), topo)
+    total.update(torch.ones(3))
+    confusion.update(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    if topo.data_rank == 0:
+        total.compute()
+    else:
+        confusion.compute()
+
+
+def test_a_process_that_gloo_aborts_leaves_every_ranks_report(tmp_path):
+    with pytest.raises(DistributedFailure) as failure:
+        run_distributed(_abort_scenario, 4, str(tmp_path), timeout=60, env={"MESHWISE_DEBUG": "0"})
+    text = str(failure.value)
+    assert "killed by SIGABRT" in text or "Connection" in text, text
+    assert "meshwise reports (last guarded calls, Python stacks)" in text
+    reports = {int(p.stem.split("-")[1]): read_report(p) for p in tmp_path.glob("crash-*/rank-*.txt")}
+    assert sorted(reports) == [0, 1, 2, 3], sorted(reports)
+    for rank, report in reports.items():
+        assert (
+            f"rank {rank} (dp={rank // 2}, tp={rank % 2}) of 4" in report
+            and "mesh dp=2 (batch), tp=2 (replica)" in report
+        )
+        assert "over dp (batch)" in report and "test_debug.py" in report, report  # dims and the call site
+        assert f"{tmp_path}/crash-" in text.split(f"rank {rank}: ", 1)[1].splitlines()[0]
+    aborted = [r for r, report in reports.items() if "Fatal Python error: Aborted" in report]
+    assert aborted, reports
+    for rank in aborted:  # its Python stack, written by faulthandler after the head
+        assert "in _abort_scenario" in reports[rank].split("Fatal Python error: Aborted", 1)[1]

@@ -123,12 +123,16 @@ def _child(
 
     torch.set_num_threads(1)  # N ranks on 2 cores: oversubscribing threads only slows every rank
     import meshwise
+    from meshwise.debug.watchdog import leave_report
 
     label = f"rank {rank}"
     try:
         if mesh is None:
             try:
                 out = fn(*args, **kwargs)
+            except BaseException:
+                leave_report(traceback.format_exc())  # its crash report (last guarded calls) stays, with this
+                raise
             finally:
                 if meshwise.current() is not None:  # as a script should: tell the others this rank has left
                     meshwise.shutdown()
@@ -137,6 +141,9 @@ def _child(
             label = topo.label()
             try:
                 out = fn(topo, *args, **kwargs)
+            except BaseException:
+                leave_report(traceback.format_exc())
+                raise
             finally:
                 meshwise.shutdown()
         # Plain pickle: torch's queue reducer would pass tensors by shared memory that dies with this process.
@@ -145,11 +152,7 @@ def _child(
         current = meshwise.current()
         if current is not None:
             label = current.label()
-        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        from meshwise.debug.watchdog import leave_report
-
-        leave_report(text)  # this rank's crash report (its last guarded calls) stays, with the traceback
-        results.put((rank, "error", label, text))
+        results.put((rank, "error", label, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         results.close()
         results.join_thread()  # the message must leave before the process does
         sys.stdout.flush()

@@ -2,14 +2,16 @@
 
 :mod:`~meshwise.engine.trainer` (``create_trainer``, ``TrainStep``), :mod:`~meshwise.engine.evaluator`
 (``create_evaluator``, ``EvalMetrics``), :mod:`~meshwise.engine.batch` (batch preparation both share),
-:mod:`~meshwise.engine.handlers` (``Checkpointing``, ``ProgressBar``, ``PeriodicEvaluation``, ``TimeBudget``)
-and :mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``). See docs/training.md.
+:mod:`~meshwise.engine.handlers` (``Checkpointing``, ``ProgressBar``, ``PeriodicEvaluation``, ``TimeBudget``),
+:mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``) and :mod:`~meshwise.engine.ignite_habits`
+(``on_mesh``, the supervised helpers' ``prepare_batch``/``global_loss``). See docs/training.md, docs/ignite.md.
 """
 
 from __future__ import annotations
 
 from meshwise.engine.evaluator import EvalMetrics, create_evaluator
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
+from meshwise.engine.ignite_habits import on_mesh
 from meshwise.engine.run_log import RunLogger, setup_logging
 from meshwise.engine.trainer import TrainStep, create_trainer
 
@@ -24,5 +26,6 @@ __all__ = [
     "TrainStep",
     "create_evaluator",
     "create_trainer",
+    "on_mesh",
     "setup_logging",
 ]
