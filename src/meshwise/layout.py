@@ -40,8 +40,8 @@ DEFAULT_ROLES: dict[str, str] = {
 
 # Each reading: (role, where the name means it, what each rank of the dim then holds).
 _MODEL = (
-    ("replica", "Megatron-LM/fairscale-style tensor parallel", "every rank of the dim sees the same samples"),
-    ("split", "PhysicsNeMo spatial/domain parallel", "each rank holds a part of every sample"),
+    ("replica", "Megatron-LM/fairscale-style tensor parallel", "the same samples"),
+    ("split", "PhysicsNeMo spatial/domain parallel", "a part of every sample"),
 )
 _SEQUENCE = (
     ("split", "sequence parallel as a dim of its own (DeepSpeed Ulysses, ring attention)", "a part of every sequence"),
