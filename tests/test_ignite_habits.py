@@ -48,6 +48,7 @@ def _supervised(topo) -> dict:
     output_transform; the evaluator likewise. Runs unchanged in one process and on the mesh."""
     import ignite.distributed as idist
     from ignite.engine import Events, create_supervised_evaluator, create_supervised_trainer
+    from ignite.metrics import MeanSquaredError
 
     from meshwise.data import ArrayDataset, mesh_dataloader
     from meshwise.engine import ignite_habits as habits
@@ -87,13 +88,21 @@ def _supervised(topo) -> dict:
     evaluator = create_supervised_evaluator(
         model, device=topo.device, prepare_batch=habits.prepare_batch(topo, train=False)
     )
+    MeanSquaredError().attach(evaluator, "mse")  # ignite's own metric: padded rows left out by on_mesh
     habits.on_mesh(evaluator, topo)
     evaluator.add_event_handler(
         Events.ITERATION_COMPLETED,
         lambda e: outputs.append((e.state.output[0].shape[0], int(e.state.batch["valid"].sum()))),
     )
     evaluator.run(val)
-    return {"params": _full(model), "losses": losses, "gathers": gathers, "count": float(count), "eval": outputs}
+    return {
+        "params": _full(model),
+        "losses": losses,
+        "gathers": gathers,
+        "count": float(count),
+        "eval": outputs,
+        "mse": evaluator.state.metrics["mse"],
+    }
 
 
 def _caught(fn) -> str:
@@ -205,6 +214,7 @@ def test_supervised_helpers_match_one_process_and_misuse_is_stopped(reference):
         assert r["count"] == 2.0  # idist.all_reduce over topo.group(topo.metric_dims): dp ranks, not x tp
         # evaluation keeps padded rows in (y_pred, y): 13 samples, 2 batches of 4 rows per data rank
         assert all(n == 4 for n, _ in r["eval"])
+        assert r["mse"] == pytest.approx(reference["mse"], rel=1e-12, abs=0)  # 13 samples, each once
     assert sum(v for _, v in ranks[0]["eval"]) + sum(v for _, v in ranks[2]["eval"]) == 13
 
     out = run_distributed(_misuse, 4, mesh={"dp": 2, "tp": 2}, timeout=240)

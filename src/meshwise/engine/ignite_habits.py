@@ -13,10 +13,12 @@ from ignite.utils import convert_tensor
 from torch import nn
 from torch.utils.data.distributed import DistributedSampler
 
+from meshwise.checkpoint import check_ignite_checkpoints
 from meshwise.debug import guarded
 from meshwise.debug.replicas import check_replicas, needs_check
 from meshwise.engine.batch import local_value
 from meshwise.errors import DataError, ParallelError
+from meshwise.metrics import adopt_ignite_metrics
 from meshwise.parallel.apply import check_data_parallel
 from meshwise.topology import Topology, resolve
 
@@ -93,18 +95,8 @@ def run_ignite_checks(engine: Engine, topology: Topology | None = None, padded_r
     (``check_ignite_checkpoints``). ``padded_rows``: whether the engine's step excludes padded rows."""
     topo = resolve(topology)
     check_loader(engine.state.dataloader, topo, padded_rows=padded_rows)
-    try:  # FIXME: until the metrics and checkpoint layers have them
-        from meshwise.metrics import adopt_ignite_metrics  # type: ignore[attr-defined]
-
-        adopt_ignite_metrics(engine, topo)
-    except ImportError:
-        pass
-    try:
-        from meshwise.checkpoint import check_ignite_checkpoints  # type: ignore[attr-defined]
-
-        check_ignite_checkpoints(engine, topo)
-    except ImportError:
-        pass
+    adopt_ignite_metrics(engine, topo)
+    check_ignite_checkpoints(engine, topo)
 
 
 def on_mesh(engine: Engine, topology: Topology | None = None, *, model: nn.Module | None = None) -> Engine:
