@@ -156,6 +156,8 @@ def _mesh_run(topo) -> dict:
         adopt_ignite_metrics(plain, topo)
         plain.run(loader)
         out["plain"][n] = dict(plain.state.metrics)
+    if not topo.split_dims and not topo.replica_dims:
+        out["errors"] = _errors(topo, net)
     if topo.split_dims:
         # a per-token loss over sequences split in two equal chunks along cp: each split rank adds its part
         data = dataset(203)
@@ -177,6 +179,45 @@ def _mesh_run(topo) -> dict:
         seq.run(loader)
         out["seq_loss"] = seq.state.metrics["seq_loss"]
     return out
+
+
+class GatheringMetric(Accuracy):
+    """A user's metric whose compute gathers with idist: meshwise cannot route it and must say so."""
+
+    def compute(self):
+        import ignite.distributed as idist
+
+        return idist.all_gather(torch.tensor([self._num_examples])).sum().item()
+
+
+def _errors(topo, net) -> dict:
+    """Refusals: each rank gets the same MetricError, no hang and no gloo abort."""
+    from ignite.metrics import EpochMetric
+
+    from meshwise.data import ArrayDataset, mesh_dataloader
+    from meshwise.errors import MetricError
+    from meshwise.metrics import adopt_ignite_metrics
+
+    loader = mesh_dataloader(ArrayDataset(dataset(7)), topo, global_batch_size=3, mode="eval")
+    messages = {}
+    cases = {
+        "epoch_metric": (EpochMetric(lambda p, t: 0.0), loader),
+        "gathers": (GatheringMetric(), loader),
+        # a rank that never gets a batch: its Precision has no per-class state to reduce
+        "no_batch": (Precision(average=False), loader if topo.rank == 0 else []),
+    }
+    for name, (metric, data) in cases.items():
+        engine = Engine(lambda e, b: (net(b["input"]), b["target"]))
+        metric.attach(engine, name)
+        try:
+            adopt_ignite_metrics(engine, topo)
+            if data:
+                engine.run(data, max_epochs=1)
+            else:  # ignite refuses an empty loader: this rank computes without a batch, as the others finish
+                metric.compute()
+        except MetricError as exc:
+            messages[name] = str(exc)
+    return messages
 
 
 # --------------------------------------------------------------------------- one process, no mesh
@@ -237,6 +278,12 @@ def test_ignite_metrics_dp3_and_padding_only_ranks():
     results = run_distributed(_mesh_run, 3, mesh={"dp": 3}, timeout=240)
     assert [r["rows"][1] for r in results] == [1, 0, 0]  # ranks 1, 2 see only padding
     _check(results, [0, 1, 2])
+    for r in results:
+        errors = r["errors"]
+        assert "EpochMetric" in errors["epoch_metric"] and "torchmetrics" in errors["epoch_metric"]
+        assert "idist.all_gather" in errors["gathers"] and "create_evaluator(metrics=...)" in errors["gathers"]
+        assert "same number of batches" in errors["no_batch"]
+        assert "rank 0: 2 reductions of 8 values, rank 1: 2 reductions of 2 values" in errors["no_batch"]
 
 
 def test_ignite_metrics_dp2_tp2_not_counted_per_replica():
