@@ -236,6 +236,25 @@ def bad_inputs(topo) -> list[str]:
     return messages
 
 
+def _resume(topo, folder: str, cuts: list) -> dict:
+    """Load the pp2xdp2 checkpoint of step 3 at this mesh (each cut in turn), train steps 4 and 5."""
+    import meshwise
+
+    out = {}
+    for cut in cuts:
+        net, model, opt, trainer = build(topo, "1F1B", 4 if topo.size(topo.stage_dims) == 4 else 2, cut=cut)
+        ref = reference(copy.deepcopy(net))
+        data = loader(topo, FIELDS)
+        ckpt = meshwise.Checkpointer(folder, topo, verbose=False)
+        info = ckpt.load("latest", model=model, optimizer=opt, loader=data)
+        ckpt.close()
+        trainer.run(data, max_epochs=1, epoch_length=2)
+        out[str(cut)] = {"diff": max_diff(model, ref), "step": info.step, "cursor": data.state_dict()}
+    out["middle_bytes"] = epoch_bytes(topo, FIELDS)
+    return out
+
+
+@pytest.mark.slow
 def test_pp2_dp2_gpipe_eval_stage_reads_checkpoint_and_bad_input(tmp_path):
     results = run_distributed(_pp2_dp2, 4, str(tmp_path), mesh={"pp": 2, "dp": 2}, timeout=300)
     _check([{"gpipe": r} for r in results])
@@ -247,3 +266,12 @@ def test_pp2_dp2_gpipe_eval_stage_reads_checkpoint_and_bad_input(tmp_path):
         assert staged == share * per_sample["input" if rank < 2 else "target"], (rank, staged, whole)
         assert len(r["errors"]) == 6
     print("bytes by stage (staged, whole):", [r["bytes"] for r in results])
+    # resume the pp2xdp2 checkpoint at pp=4 (the default cut, then another) and at one process (pp=1)
+    cuts = [None, ["blocks.0", "blocks.2", "blocks.3"]]
+    at_pp4 = run_distributed(_resume, 4, str(tmp_path), cuts, mesh={"pp": 4}, timeout=300)
+    at_pp1 = run_distributed(_resume, 1, str(tmp_path), [None], mesh={"dp": 1}, timeout=120)
+    for rank, r in enumerate(at_pp4 + at_pp1):
+        for cut in map(str, cuts if rank < 4 else [None]):
+            assert r[cut]["diff"] <= 1e-12 and r[cut]["step"] == 3, (rank, cut, r[cut])
+            assert r[cut]["cursor"] == at_pp1[0]["None"]["cursor"], "the data cursor continues from step 3"
+    assert [r["middle_bytes"] for r in at_pp4][1:3] == [0, 0], "middle stages read nothing"

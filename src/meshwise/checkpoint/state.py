@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch import nn
 
 from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION
@@ -101,6 +102,10 @@ def optimizer_owners(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> di
 
 # --------------------------------------------------------------------------- DCP state of modules and optimizers
 
+# Optimizer hyperparameters keyed by parameter name, not one param_groups list: DCP keeps one rank's copy of a
+# replicated list, which names only that pipeline stage's parameters (docs/pipeline.md).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
 
 def dcp_state(
     objects: Mapping[str, Any], kinds: Mapping[str, str], owners: Mapping[str, str], skip: Collection[str]
@@ -115,7 +120,7 @@ def dcp_state(
         if kind == "module":
             state[name] = get_model_state_dict(objects[name])
         elif kind == "optimizer":
-            state[name] = get_optimizer_state_dict(objects[owners[name]], objects[name])
+            state[name] = get_optimizer_state_dict(objects[owners[name]], objects[name], options=FLAT)
     return state
 
 
@@ -134,7 +139,7 @@ def apply_dcp_state(
             set_model_state_dict(objects[n], state[n])
     for n in names:
         if kinds[n] == "optimizer":
-            set_optimizer_state_dict(objects[owners[n]], objects[n], state[n])
+            set_optimizer_state_dict(objects[owners[n]], objects[n], state[n], options=FLAT)
 
 
 # --------------------------------------------------------------------------- RNG streams

@@ -84,8 +84,10 @@ def _listing(keys: list[str]) -> str:
     return ", ".join(keys[:12]) + (f", ... ({len(keys)} in all)" if len(keys) > 12 else "")
 
 
-def check_keys(path: Path, state: Mapping[str, Any]) -> None:
-    """Compare the keys and global shapes the DCP ``state`` expects with those the DCP metadata of ``path`` holds."""
+def check_keys(path: Path, state: Mapping[str, Any], allow_extra: bool = False) -> None:
+    """Compare the keys and global shapes the DCP ``state`` expects with those the DCP metadata of ``path`` holds.
+
+    ``allow_extra=True``: keys the checkpoint holds beyond ``state`` are fine (one pipeline stage's part)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -94,7 +96,7 @@ def check_keys(path: Path, state: Mapping[str, Any]) -> None:
     flat, _ = flatten_state_dict(dict(state))
     prefixes = tuple(f"{n}." for n in state)
     missing = sorted(k for k in flat if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in flat)
+    unexpected = sorted(k for k in saved if not allow_extra and k.startswith(prefixes) and k not in flat)
     shapes = []
     for k, v in flat.items():
         shape = _tensor_shape(v)
