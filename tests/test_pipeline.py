@@ -179,8 +179,9 @@ def eval_reference(params: dict) -> float:
 
 
 def evaluate(topo, model) -> float:
-    import meshwise
     from torchmetrics import MeanSquaredError
+
+    import meshwise
 
     evaluator = meshwise.create_evaluator(model, topo, {"mse": MeanSquaredError().set_dtype(torch.float64)})
     evaluator.run(loader(topo, FIELDS, mode="eval", batch=12))  # 37 samples: the last batch padded

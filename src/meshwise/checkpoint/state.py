@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION
 from meshwise.errors import CheckpointError, MeshwiseError
