@@ -1,8 +1,11 @@
 """Collectives and time per compute() of 5 metrics: meshwise's fused sync against torchmetrics syncing each metric.
 
 Runs 4 gloo processes (mesh dp=4). Both sides get the same updates; the collectives are counted by wrapping
-``torch.distributed``'s functions (calls go through unchanged). Final line:
-``RESULT collectives=… naive_collectives=… time_ratio=…`` (time_ratio = torchmetrics time / meshwise time).
+``torch.distributed``'s functions (calls go through unchanged). Also an ignite collection of 5 metrics (Accuracy,
+Loss, ConfusionMatrix, Precision, MeanSquaredError) attached to an ignite Engine: meshwise's adoption
+(``adopt_ignite_metrics``) against ignite's own per-attribute sync (``sync_all_reduce`` over the world, here the
+same group). Final line: ``RESULT collectives=… naive_collectives=… time_ratio=… sum_only_collectives=…
+ignite_collectives=… ignite_naive_collectives=… ignite_time_ratio=…`` (time ratios: naive time / meshwise time).
 """
 
 from __future__ import annotations
@@ -83,6 +86,57 @@ def _bench(topo, iters: int, rows: int) -> dict:
     return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}}
 
 
+def _ignite_five():
+    import torch.nn.functional as F
+    from ignite.metrics import Accuracy, ConfusionMatrix, Loss, MeanSquaredError, Precision
+
+    return {
+        "acc": Accuracy(),
+        "loss": Loss(F.cross_entropy),
+        "cm": ConfusionMatrix(10),
+        "precision": Precision(average="macro"),
+        "mse": MeanSquaredError(),
+    }
+
+
+def _bench_ignite(topo, iters: int, rows: int) -> dict:
+    """Collectives and time of one compute of each ignite metric: adopted on one engine, and ignite's own."""
+    from ignite.engine import Engine
+
+    from meshwise.metrics import adopt_ignite_metrics
+
+    group = topo.group(topo.metric_dims)
+    g = torch.Generator().manual_seed(topo.rank)
+    engine = Engine(lambda e, b: b)
+    ours, naive = _ignite_five(), _ignite_five()
+    for name, m in ours.items():
+        m.attach(engine, name)
+    adopt_ignite_metrics(engine, topo)
+    times: dict[str, list[float]] = {"meshwise": [], "naive": []}
+    calls: dict[str, int] = {}
+    for it in range(iters + 2):
+        n = rows + topo.rank
+        batch = (torch.randn(n, 10, generator=g, dtype=torch.float64), torch.randint(0, 10, (n,), generator=g))
+        for side in (ours, naive):
+            for name, m in side.items():
+                m.reset()
+                m.update((batch[0][:, 0], batch[1].double()) if name == "mse" else batch)
+        for name, side in (("meshwise", ours), ("naive", naive)):
+            dist.barrier(group=group)
+            with CollectiveCounter() as counter:
+                start = time.perf_counter()
+                values = [m.compute() for m in side.values()]  # what the engine's EPOCH_COMPLETED handlers do
+                elapsed = time.perf_counter() - start
+            if it >= 2:
+                times[name].append(elapsed)
+            calls[name] = len(counter.calls)
+            if name == "meshwise":
+                mine = values
+        for a, b in zip(mine, values):
+            assert torch.allclose(torch.as_tensor(a).double(), torch.as_tensor(b).double(), rtol=1e-6)
+    return {"calls": calls, "median": {k: statistics.median(v) for k, v in times.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=30)
@@ -107,9 +161,22 @@ def main() -> None:
     )
     print(f"  torchmetrics : {calls['naive']:3d} collectives, {median['naive'] * 1e3:8.2f} ms per compute")
     ratio = median["naive"] / median["meshwise"]
+    ig = run_distributed(
+        _bench_ignite, args.nprocs, args.iters, args.rows, mesh={"dp": args.nprocs}, timeout=300, pg_timeout=60
+    )
+    ig_calls = ig[0]["calls"]
+    ig_median = {k: max(r["median"][k] for r in ig) for k in ig[0]["median"]}
+    ig_ratio = ig_median["naive"] / ig_median["meshwise"]
+    print("  ignite collection (Accuracy, Loss, ConfusionMatrix, Precision, MeanSquaredError):")
+    print(
+        f"  meshwise     : {ig_calls['meshwise']:3d} collectives, {ig_median['meshwise'] * 1e3:8.2f} ms per compute "
+        "of the 5 (adopt_ignite_metrics)"
+    )
+    print(f"  ignite       : {ig_calls['naive']:3d} collectives, {ig_median['naive'] * 1e3:8.2f} ms (sync_all_reduce)")
     print(
         f"RESULT collectives={calls['meshwise']} naive_collectives={calls['naive']} time_ratio={ratio:.2f} "
-        f"sum_only_collectives={calls['sum_only']}"
+        f"sum_only_collectives={calls['sum_only']} ignite_collectives={ig_calls['meshwise']} "
+        f"ignite_naive_collectives={ig_calls['naive']} ignite_time_ratio={ig_ratio:.2f}"
     )
     sys.stdout.flush()
 
