@@ -36,9 +36,9 @@ from meshwise.checkpoint.state import (
     rng_state,
     set_rng_state,
     warn_differences,
-    write_files,
 )
 from meshwise.checkpoint.validation import check_keys, read_record
+from meshwise.checkpoint.writer import CommitWriter, failure_text
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
 
@@ -119,6 +119,7 @@ class Checkpointer:
         self._last_saved: int | None = None
         self._group = None
         self._stager: Any = None
+        self._root_checked = False  # rank 0 accepted root once: later async saves prepare in the background
         if self.async_save and dist.is_initialized():
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
             # The timeout is explicit: a new group does not inherit it (docs/torch.md, "Timeouts and new groups").
@@ -256,24 +257,55 @@ class Checkpointer:
     def _write(
         self, entry: int | str, state: dict[str, Any], small: dict[str, Any], meta: dict, *, rng: bool, error: Any
     ) -> None:
-        """Write ``state`` through DCP, ``small`` (rank 0) and the RNG states into ``entry``'s folder, atomically."""
+        """Write ``state`` through DCP, ``small`` (rank 0) and the RNG states into ``entry``'s folder, atomically.
+
+        The folder is prepared, the small files written and the checkpoint published inside DCP's own steps
+        (:class:`~meshwise.checkpoint.writer.CommitWriter`): a save runs DCP's collectives and no others.
+        """
         tmp = self.folder.tmp_path(entry)
-        self._on_rank0(lambda: self.folder.prepare(entry, (OBJECTS_DIR, RNG_DIR)))
-        use_dcp = meta["dcp"]
-        # an async save writes the small files in its background thread
-        local, files = self._stage_small(tmp, small, rng, error, write_now=not (self.async_save and use_dcp))
-        if self.async_save and use_dcp:
-            self._start_async(entry, tmp, state, meta, local, files)
+        background = self.async_save and bool(state)
+        prepare: Callable[[], None] | None = lambda: self._prepare(entry)  # noqa: E731
+        if background and not self._root_checked:  # a refused root is refused by save() itself, not later
+            self._on_rank0(prepare)
+            prepare = None
+        self._root_checked = True
+        report, files = self._stage_small(tmp, small, rng, error)
+        writer = CommitWriter(
+            tmp,
+            sync_files=background,  # a sync save leaves the fsync to rank 0's finalizer thread
+            prepare=prepare,
+            files=files,
+            report=report,
+            publish=lambda reports: self._publish(entry, tmp, meta, reports, defer=not background),
+        )
+        if background:
+            self._start_async(entry, tmp, state, writer)
         else:
-            self._save_now(entry, tmp, state, meta, local)
+            self._save_now(entry, tmp, state, writer)
+
+    def _prepare(self, entry: int | str) -> None:
+        """Rank 0, inside DCP's planning: raise a deferred error of the last save, then make the empty folder.
+
+        save() already waited for this rank's background work; the finalizer is joined again for a direct caller.
+        """
+        self.folder.join()
+        error = self.folder.take_error()
+        if error is not None:
+            raise error
+        self.folder.prepare(entry, (OBJECTS_DIR, RNG_DIR))
+
+    def _publish(self, entry: int | str, tmp: Path, meta: dict[str, Any], reports: list[dict], *, defer: bool) -> None:
+        """Rank 0, once every rank wrote its files: the record, the rename, then ``latest`` (maybe deferred)."""
+        warn_differences(reports)
+        self.folder.publish(entry, tmp, json.dumps(meta, indent=1) + "\n", defer=defer)
 
     def _stage_small(
-        self, tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None, *, write_now: bool
+        self, tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None
     ) -> tuple[dict[str, Any], dict[Path, Any]]:
-        """This rank's RNG states and (rank 0) the other objects' states, as files to write.
+        """This rank's RNG states and (rank 0) the other objects' states, as files to write (by the writer).
 
         Returns this rank's report for the commit (its error, the digests of its objects' states, compared
-        there across ranks) and the files not yet written.
+        there across ranks) and the files.
         """
         rank = self.topology.rank
         digests: dict[str, str | None] = {}
@@ -285,11 +317,8 @@ class Checkpointer:
                 digests[name] = digest(sd)
                 if rank == 0:
                     files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
-        except Exception as exc:  # noqa: BLE001 - reported at the commit, so async saves do not wait here
+        except Exception as exc:  # noqa: BLE001 - reported at the commit, so that no rank waits alone
             error = error or f"{type(exc).__name__}: {exc}"
-        if error is None and write_now:
-            error = write_files(files)
-            files = {}
         return {"error": error, "digests": digests}, files
 
     @property
@@ -315,20 +344,17 @@ class Checkpointer:
         except (TypeError, ValueError):
             raise CheckpointError(f"score {self.score!r} gave {value!r}, not a number") from None
 
-    def _save_now(self, step: int | str, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict) -> None:
+    def _save_now(self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
 
-        if meta["dcp"]:
-            try:
-                dcp.save(state, storage_writer=FileSystemWriter(str(tmp), sync_files=False))
-            except Exception as exc:
-                raise CheckpointError(f"saving {tmp} failed: {exc}. 'latest' is untouched") from exc
-        self._commit(step, tmp, meta, local, group=None, defer=True)  # fsync and 'latest' in a thread of rank 0
+        try:
+            dcp.save(state, storage_writer=writer)
+        except (Exception, dcp.CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(
+                f"saving checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
+            ) from exc
 
-    def _start_async(
-        self, step: int | str, tmp: Path, state: dict[str, Any], meta: dict[str, Any], local: dict, small: dict
-    ) -> None:
+    def _start_async(self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter) -> None:
         import torch.distributed.checkpoint as dcp
 
         try:
@@ -337,65 +363,21 @@ class Checkpointer:
 
                 # one stager for every save: it keeps its CPU buffers, so staging is a copy, not an allocation
                 self._stager = DefaultStager(StagingOptions(False, False, False, False))
-            future = dcp.async_save(state, checkpoint_id=str(tmp), async_stager=self._stager, process_group=self._group)
+            future = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, process_group=self._group)
         except Exception as exc:
             raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
         self._pending = threading.Thread(
-            target=self._finish_async, args=(future, step, tmp, meta, local, small), name=f"meshwise-ckpt-{step}"
+            target=self._finish_async, args=(future, step, tmp), name=f"meshwise-ckpt-{step}"
         )
         self._pending.start()
 
-    def _finish_async(
-        self, future: Any, step: int | str, tmp: Path, meta: dict[str, Any], local: dict[str, Any], small: dict
-    ) -> None:
+    def _finish_async(self, future: Any, step: int | str, tmp: Path) -> None:
         try:
-            if local["error"] is None:
-                local["error"] = write_files(small)
-            try:
-                future.result()
-            except Exception as exc:
-                raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
-            self._commit(step, tmp, meta, local, group=self._group, defer=False)  # DCP already synced its files
+            future.result()  # DCP's thread wrote, synced and (rank 0) published the folder
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
-            self._pending_error = exc
-
-    def _commit(
-        self, step: int | str, tmp: Path, meta: dict[str, Any], local: dict[str, Any], group: Any, *, defer: bool
-    ) -> None:
-        """After every rank wrote its part, rank 0 writes the metadata and renames ``step-N.tmp`` to ``step-N``.
-
-        Then ``latest`` moves, once the files are on disk (fsync), and old checkpoints are pruned; with
-        ``defer`` that second half runs in a thread of rank 0 (see :meth:`CheckpointFolder.publish`).
-        """
-        rank, world = self.topology.rank, self.topology.world_size
-        reports = [local]
-        if world > 1:
-            reports = [None] * world
-            try:  # the barrier: every rank reports that its files are written (or why not)
-                dist.all_gather_object(reports, local, group=group)
-            except Exception as exc:  # noqa: BLE001
-                raise CheckpointError(
-                    f"saving checkpoint step {step} into {tmp}: not every rank arrived within "
-                    f"{self.topology.timeout.total_seconds():.0f}s ({exc}); a rank died or is stuck. The previous "
-                    "checkpoint and 'latest' are untouched"
-                ) from exc
-        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
-        if failed:
-            text = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise CheckpointError(f"writing {tmp} failed on {len(failed)} rank(s): {text}. 'latest' is untouched")
-        error = None
-        if rank == 0:
-            warn_differences(reports)
-            try:
-                self.folder.publish(step, tmp, json.dumps(meta, indent=1) + "\n", defer=defer)
-            except Exception as exc:  # noqa: BLE001
-                error = f"{type(exc).__name__}: {exc}"
-        if world > 1:
-            gathered = [error]
-            dist.broadcast_object_list(gathered, src=0, group=group)
-            error = gathered[0]
-        if error:
-            raise CheckpointError(f"committing checkpoint step {step} under {self.root} failed on rank 0: {error}")
+            self._pending_error = CheckpointError(
+                f"async save of checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
+            )
 
     # ------------------------------------------------------------------ waiting
 
