@@ -274,6 +274,7 @@ def _check(results: list[dict], data_leaders: list[int]) -> None:
         assert rest == [], rest  # the other metrics of the same event: computed by that one sync
 
 
+@pytest.mark.slow
 def test_ignite_metrics_dp3_and_padding_only_ranks():
     results = run_distributed(_mesh_run, 3, mesh={"dp": 3}, timeout=240)
     assert [r["rows"][1] for r in results] == [1, 0, 0]  # ranks 1, 2 see only padding
