@@ -8,6 +8,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DataError",
+    "DataWarning",
     "MeshwiseError",
     "MetricError",
     "MetricSyncTimeout",
@@ -55,6 +56,10 @@ class CollectiveMismatchError(CollectiveError):
 
 class MetricSyncTimeout(MetricError, CollectiveTimeoutError):
     """A metric synchronisation did not complete: some rank of the group skipped ``compute()`` or died."""
+
+
+class DataWarning(UserWarning):
+    """A data layout that works but costs: e.g. chunks wider than a tile, so each rank decodes more than its part."""
 
 
 class PlacementWarning(UserWarning):

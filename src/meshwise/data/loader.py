@@ -22,7 +22,7 @@ import torch.distributed as dist
 from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
-from meshwise.errors import DataError
+from meshwise.errors import DataError, DataWarning
 from meshwise.topology import Topology, resolve
 
 __all__ = ["MeshDataLoader", "mesh_dataloader"]
@@ -125,7 +125,7 @@ def _warn_partial_reads(dataset: ArrayDataset, parts: Mapping[str, FieldPart], t
             f"and chunks are decoded whole: this rank reads {factor:.2f}x the bytes of its part. Rechunk, e.g. "
             f"chunks={tuple(better)} (Zarr: keep one sample a file with shards=(1, *sample shape)), to read its part "
             "only",
-            UserWarning,
+            DataWarning,
             stacklevel=4,
         )
 
