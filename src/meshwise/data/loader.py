@@ -79,10 +79,28 @@ class _BatchReader:
         nbytes = 0
         for name, field in self.unpack(buffer, rows).items():
             if valid:
-                nbytes += self.dataset.sources[name].read(idx, self.parts[name].region, field[:valid])
+                nbytes += self._read_field(name, idx, field[:valid])
             if valid < rows:
                 field[valid:] = 0  # padded rows carry zeros, never stale memory
         return buffer, nbytes
+
+    def _read_field(self, name: str, idx: np.ndarray, out: np.ndarray | torch.Tensor) -> int:
+        part, source = self.parts[name], self.dataset.sources[name]
+        if part.balanced is None:
+            return source.read(idx, part.region, out)
+        # A balanced part is two regions joined along its axis: each is read into its slot of the output.
+        axis, at, nbytes = part.balanced[1] + 1, 0, 0
+        for region in part.pieces:
+            length = region[axis - 1].stop - region[axis - 1].start
+            slot = out[(slice(None),) * axis + (slice(at, at + length),)]
+            if source.kind == "numpy":  # numpy assigns into a strided slot directly
+                nbytes += source.read(idx, region, slot)
+            else:  # other sources may want a contiguous output
+                tmp = torch.empty(slot.shape, dtype=self.dtypes[name])
+                nbytes += source.read(idx, region, tmp if source.kind == "tensor" else tmp.numpy())
+                slot[...] = tmp if isinstance(slot, torch.Tensor) else tmp.numpy()
+            at += length
+        return nbytes
 
     def __getitem__(self, rows_indices: np.ndarray) -> tuple[torch.Tensor, int]:
         buffer, nbytes = self.read(rows_indices)
@@ -115,7 +133,7 @@ def _warn_partial_reads(dataset: ArrayDataset, parts: Mapping[str, FieldPart], t
                 wide.append((axis, dim, tile))
         if not wide:
             continue
-        factor = read_factor(source, part.region)
+        factor = read_factor(source, part.region)  # a balanced part's pieces share one geometry
         better = list(chunks)
         for axis, _, tile in wide:
             better[axis + 1] = max(c for c in range(1, min(tile, 8) + 1) if tile % c == 0)
@@ -144,6 +162,35 @@ def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], 
     if unknown:
         raise DataError(f"stage_fields names {unknown}; the dataset's fields are {dataset.names}")
     return {n for key, fields in lists.items() if wanted[key] for n in fields}
+
+
+def _balanced_positions(parts: Mapping[str, FieldPart], names: Sequence[str]) -> torch.Tensor | None:
+    """The token positions of this rank's balanced parts (every balanced field must agree), or ``None``."""
+    balanced = {n: p for n, p in parts.items() if p.balanced is not None}
+    if not balanced:
+        return None
+    if "positions" in names:
+        raise DataError(
+            "a balanced Shard adds batch['positions'] (the global index of each loaded token), but the dataset "
+            "already has a field 'positions': rename that field"
+        )
+    first, part = next(iter(balanced.items()))
+    dim, axis = part.balanced
+    for name, other in parts.items():
+        axes = dict(other.placements)
+        if name == first or axes.get(dim) is None:
+            continue
+        their = other.balanced or (dim, axes[dim])
+        n, m = part.sample_shape[axis], other.sample_shape[their[1]]
+        if other.balanced is None or their[1] != axis or n != m:
+            raise DataError(
+                f"split dim {dim!r} splits the windows two ways (two axes or two orders): field {first!r} is split "
+                f"balanced along axis {axis} "
+                f"({n} cells), field {name!r} {'balanced' if other.balanced else 'in plain chunks'} along axis "
+                f"{their[1]} ({m} cells); the tokens of a window must be split one way: give every field sharded over "
+                f"{dim!r} Shard({axis}, dim={dim!r}, balanced=True) on windows of the same length"
+            )
+    return part.positions()
 
 
 class MeshDataLoader:
@@ -193,6 +240,7 @@ class MeshDataLoader:
         if stage_fields is not None:  # pipeline stages read only the fields they use (docs/pipeline.md)
             self.parts = {n: p for n, p in self.parts.items() if n in _stage_reads(topology, stage_fields, dataset)}
         _warn_partial_reads(dataset, self.parts, topology)
+        self.positions = _balanced_positions(self.parts, dataset.names)
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1
         self.replica_rank = topology.coordinate(replica) if replica else 0
@@ -295,6 +343,8 @@ class MeshDataLoader:
         plan = self.sampler.plan()
         for local, (buffer, nbytes) in zip(plan, self._buffers(self._read_items(plan), len(plan))):
             batch = self._share(buffer)
+            if self.positions is not None:  # one row per sample, so valid-row selection and micro-batches cut it
+                batch["positions"] = self.positions.expand(len(local), -1)
             batch["valid"] = torch.from_numpy(local >= 0)
             batch["index"] = torch.from_numpy(local.copy())
             self.bytes_read += nbytes

@@ -24,6 +24,7 @@ __all__ = [
     "Shard",
     "as_dtensor",
     "as_parts",
+    "balanced_bounds",
     "chunk_bounds",
     "from_placements",
     "largest_halo",
@@ -38,17 +39,26 @@ class Shard:
 
     ``halo`` neighbour cells are added at each interior edge. ``dim`` names the split dim; it may be left out
     when the topology has exactly one split dim. Give a list of ``Shard`` to split a field over several dims.
+    ``balanced=True`` (token windows under causal attention): the axis is cut into ``2k`` equal chunks and rank
+    ``i`` of ``k`` loads chunks ``i`` and ``2k-1-i``, so every rank computes the same share of a causal attention;
+    the batch then carries ``positions`` (see :func:`balanced_bounds`).
     """
 
     axis: int
     halo: int = 0
     dim: str | None = None
+    balanced: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.axis, bool) or not isinstance(self.axis, int):
             raise DataError(f"Shard axis must be an int, got {self.axis!r}")
         if isinstance(self.halo, bool) or not isinstance(self.halo, int) or self.halo < 0:
             raise DataError(f"Shard halo must be an int >= 0, got {self.halo!r}")
+        if self.balanced and self.halo:
+            raise DataError(
+                f"Shard(axis={self.axis}, halo={self.halo}, balanced=True): a balanced part is two chunks of the "
+                "axis, with no halo; attention reaches the other ranks' tokens itself (meshwise.parallel.attention)"
+            )
 
 
 @dataclass(frozen=True)
@@ -63,13 +73,31 @@ def chunk_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(start + size, n)
 
 
+def balanced_bounds(n: int, parts: int, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The two ``[start, stop)`` chunks that rank ``index`` of ``parts`` loads of ``n`` cells cut into ``2*parts``.
+
+    Chunk ``index`` and chunk ``2*parts-1-index``: under a causal mask chunk ``c`` attends to ``c+1`` chunks, so
+    every rank attends to ``2*parts+1`` chunks' worth of keys. ``n`` must divide by ``2*parts``.
+    """
+    if n % (2 * parts):
+        raise DataError(
+            f"{n} cells cannot be cut into {2 * parts} equal chunks for a balanced split over {parts} ranks: use a "
+            f"window length divisible by {2 * parts} (e.g. {n - n % (2 * parts) or 2 * parts}) or a different "
+            "split size"
+        )
+    size = n // (2 * parts)
+    first, second = index, 2 * parts - 1 - index
+    return (first * size, (first + 1) * size), (second * size, (second + 1) * size)
+
+
 @dataclass(frozen=True)
 class FieldPart:
     """Where one field's loaded part sits: per sample axis, the global region read and the interior inside it.
 
     ``region[a]`` is the slice of the full sample read (halo included); ``interior[a]`` is the slice of the
     loaded part that this rank owns (halo excluded); ``placements`` maps each split dim to the sample axis it
-    shards (or ``None``: replicated).
+    shards (or ``None``: replicated). A balanced part (``Shard(..., balanced=True)``) is read as the regions of
+    ``pieces``, joined along sample axis ``balanced[1]`` (``balanced = (dim, axis)``); ``region`` is its first piece.
     """
 
     name: str
@@ -77,11 +105,29 @@ class FieldPart:
     region: tuple[slice, ...]
     interior: tuple[slice, ...]
     placements: tuple[tuple[str, int | None], ...]
+    pieces: tuple[tuple[slice, ...], ...] = ()
+    balanced: tuple[str, int] | None = None
+
+    @property
+    def regions(self) -> tuple[tuple[slice, ...], ...]:
+        """The regions of the full sample that are read, in the order they are joined."""
+        return self.pieces or (self.region,)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of the loaded part of one sample (halo included)."""
-        return tuple(s.stop - s.start for s in self.region)
+        shape = [s.stop - s.start for s in self.region]
+        if self.balanced is not None:
+            axis = self.balanced[1]
+            shape[axis] = sum(r[axis].stop - r[axis].start for r in self.pieces)
+        return tuple(shape)
+
+    def positions(self) -> torch.Tensor | None:
+        """Global indices (int64) along the balanced axis of the cells this part holds, in order; else ``None``."""
+        if self.balanced is None:
+            return None
+        axis = self.balanced[1]
+        return torch.cat([torch.arange(r[axis].start, r[axis].stop) for r in self.pieces])
 
     @property
     def interior_shape(self) -> tuple[int, ...]:
@@ -184,6 +230,7 @@ def resolve_part(
     region = list(full)
     interior = list(full)
     placements = dict.fromkeys(split)
+    balanced = None
     for shard in shards:
         dim = _split_dim(name, shard, split, mesh)
         if placements[dim] is not None:
@@ -199,13 +246,28 @@ def resolve_part(
             raise DataError(f"parts[{name!r}] shards sample axis {axis} over two split dims: use one dim per axis")
         coord, size = split[dim]
         n = sample_shape[axis]
+        if shard.balanced:
+            if balanced is not None:
+                raise DataError(f"parts[{name!r}]: give balanced=True to one Shard of a field, not several")
+            try:
+                bounds = balanced_bounds(n, size, coord)
+            except DataError as exc:
+                raise DataError(f"parts[{name!r}], axis {axis} over {dim!r}: {exc}") from None
+            balanced = (dim, axis, bounds)
+            placements[dim] = axis
+            continue
         _check_tiles(name, shard, dim, axis, n, size)
         start, stop = chunk_bounds(n, size, coord)
         lo, hi = max(0, start - shard.halo), min(n, stop + shard.halo)
         region[axis] = slice(lo, hi)
         interior[axis] = slice(start - lo, stop - lo)
         placements[dim] = axis
-    return FieldPart(name, sample_shape, tuple(region), tuple(interior), tuple(placements.items()))
+    if balanced is None:
+        return FieldPart(name, sample_shape, tuple(region), tuple(interior), tuple(placements.items()))
+    dim, axis, bounds = balanced
+    pieces = tuple(tuple(slice(a, b) if i == axis else r for i, r in enumerate(region)) for a, b in bounds)
+    interior[axis] = slice(0, sum(b - a for a, b in bounds))
+    return FieldPart(name, sample_shape, pieces[0], tuple(interior), tuple(placements.items()), pieces, (dim, axis))
 
 
 PartSpec = Shard | Replicate | Sequence[Shard]
@@ -316,6 +378,11 @@ def as_dtensor(batch_field: torch.Tensor, part: FieldPart, topology, strip_halo:
     from torch.distributed.tensor import Replicate as DReplicate
     from torch.distributed.tensor import Shard as DShard
 
+    if part.balanced is not None:
+        raise DataError(
+            f"field {part.name!r} is a balanced part (two chunks of axis {part.balanced[1]}): a DTensor Shard "
+            "holds one contiguous chunk a rank; use the part as it is, with batch['positions']"
+        )
     if not strip_halo and part.has_halo:
         raise DataError(
             f"field {part.name!r} carries a halo; a DTensor cannot hold overlapping parts: use strip_halo=True"
