@@ -179,3 +179,73 @@ def test_prepare_split_is_deterministic_and_disjoint(tmp_path):
     np.save(tokens, np.arange(1000, dtype=np.uint16) % 300)
     d = prepare.prepare(tmp_path / "d", tokens=tokens, val_fraction=0.1)
     assert d["vocab_size"] == 300 and np.load(tmp_path / "d" / "train.npy").dtype == np.uint16
+
+
+# --------------------------------------------------------------------------- pipeline stages (train.py at pp)
+
+PP_ARGS = [*("--d-model", "32", "--n-layer", "2", "--n-head", "4", "--block-size", "16", "--batch-size", "8")]
+PP_ARGS += [*("--steps", "4", "--eval-every", "2", "--eval-samples", "20", "--eval-batch-size", "8")]
+PP_ARGS += [*("--lr", "3e-3", "--warmup", "1", "--no-progress", "--schedule", "1F1B", "--microbatches", "2")]
+
+
+def _train_phase(run_dir: str, data_dir: str, mesh: str) -> dict:
+    """train.py's main, as `meshwise run ... train.py` runs it: the summary row and the per-step losses."""
+    import json
+    import sysconfig
+
+    import train
+
+    import meshwise
+
+    corpus = str(Path(sysconfig.get_paths()["stdlib"]) / "json")  # real text, a few files: one is held out
+    argv = ["--mesh", mesh, "--run-dir", run_dir, "--overwrite", "--source-dir", corpus, "--data-dir", data_dir]
+    row = train.main([*argv, *PP_ARGS])
+    meshwise.shutdown()
+    records = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    row["losses"] = [r["loss"] for r in records if r["tag"] == "train"]
+    row["val_losses"] = [r["loss"] for r in records if r["tag"] == "val"]
+    return row
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("gpt_pp1")
+    return run_distributed(_train_phase, 1, str(tmp / "run"), str(tmp / "data"), "dp=1", timeout=120)[0]
+
+
+def _check_pipeline_run(rows: list[dict], reference: dict, stage_of: list[int]) -> float:
+    """Every rank reports the one-process losses (float32: summation order only), and each stage read one field;
+    returns the largest loss difference."""
+    worst = 0.0
+    for rank, row in enumerate(rows):
+        assert len(row["losses"]) == 4 and len(row["val_losses"]) == 3, row  # held out at steps 0, 2, 4
+        for key in ("losses", "val_losses"):
+            diff = max(abs(a - b) for a, b in zip(row[key], reference[key]))
+            assert diff <= 2e-5, (rank, key, row[key], reference[key])
+            worst = max(worst, diff)
+        assert row["val_losses"][-1] < row["val_losses"][0] - 0.2, row  # it learns
+    # Input and target windows are the same size, so each stage reads half of what one process reads: the
+    # first stage only inputs, the last only targets (stage_fields), over its data-parallel ranks together.
+    total = reference["bytes_read"][0]
+    for stage in sorted(set(stage_of)):
+        got = sum(b for b, s in zip(rows[0]["bytes_read"], stage_of) if s == stage)
+        assert got * 2 == total, (stage, rows[0]["bytes_read"], total)
+    return worst
+
+
+def test_train_py_at_pp2_dp2_matches_one_process(tmp_path, one_process_run):
+    rows = run_distributed(_train_phase, 4, str(tmp_path / "run"), str(tmp_path / "data"), "pp=2,dp=2", timeout=200)
+    worst = _check_pipeline_run(rows, one_process_run, stage_of=[0, 0, 1, 1])
+    assert all(b > 0 for b in rows[0]["bytes_read"]), rows[0]  # every rank reads its own samples' field
+    print("pp=2,dp=2: loss diff", worst, "bytes", rows[0]["bytes_read"], "one process", one_process_run["bytes_read"])
+
+
+@pytest.mark.slow
+def test_train_py_at_pp2_dp2_tp2_matches_one_process(tmp_path, one_process_run):
+    rows = run_distributed(
+        _train_phase, 8, str(tmp_path / "run"), str(tmp_path / "data"), "pp=2,dp=2,tp=2", timeout=400
+    )
+    worst = _check_pipeline_run(rows, one_process_run, stage_of=[0] * 4 + [1] * 4)
+    print("pp=2,dp=2,tp=2: loss diff", worst, "bytes", rows[0]["bytes_read"])
+    # read="broadcast": the first rank of each tensor-parallel pair reads, the other receives
+    assert [b > 0 for b in rows[0]["bytes_read"]] == [True, False] * 4, rows[0]["bytes_read"]

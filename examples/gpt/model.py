@@ -85,7 +85,8 @@ class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` pre-norm blocks, a final LayerNorm and an untied head.
 
     The head is not tied to the embedding: a tied weight would have to be sharded two ways at once.
-    ``forward(idx)`` returns logits ``[B, T, vocab]`` (a vocab-sharded DTensor under the TP plan).
+    ``forward(idx)`` returns logits ``[B, T, vocab]`` (a vocab-sharded DTensor under the TP plan). A piece
+    that is None (held by another pipeline stage) is skipped, so each stage runs only its own pieces.
     """
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -111,14 +112,21 @@ class GPT(nn.Module):
                 nn.init.ones_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+        # Pipeline stages (meshwise.parallelize over a pp dim) hold some pieces only; the others are None:
+        # the first stage embeds token ids, later ones get the previous stage's activations [B, T, d_model].
+        x = idx
+        if self.tok_emb is not None:
+            T = idx.shape[1]
+            if T > self.cfg.block_size:
+                raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
+            x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+            if self.drop is not None:
+                x = self.drop(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.ln_f is not None:
+            x = self.ln_f(x)
+        return x if self.head is None else self.head(x)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

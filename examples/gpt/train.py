@@ -1,8 +1,13 @@
-"""Train the example GPT with data x tensor parallelism over a meshwise topology; evaluate, checkpoint, resume.
+"""Train the example GPT with data x tensor x pipeline parallelism over a meshwise topology; evaluate,
+checkpoint, resume.
 
 One invocation is one phase. Train (and evaluate held-out loss exactly, and checkpoint) at dp=2 x tp=2:
 
     meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 examples/gpt/train.py --steps 250
+
+Pipeline stages (the blocks cut evenly; the first stage reads only inputs, the last only targets):
+
+    meshwise run --nproc-per-node 8 --mesh pp=2,dp=2,tp=2 examples/gpt/train.py --schedule 1F1B --microbatches 4
 
 Resume that checkpoint on another mesh (the checkpoint reshards on load) for a few more steps:
 
@@ -65,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     model.add_argument("--n-layer", type=int, default=4)
     model.add_argument("--n-head", type=int, default=4)
     model.add_argument("--block-size", type=int, default=128)
+    pipe = p.add_argument_group("pipeline stages (used when the mesh has a pp dim; checked and ignored otherwise)")
+    pipe.add_argument("--schedule", default="1F1B", help="GPipe, 1F1B (default) or Interleaved1F1B")
+    pipe.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default: stages)")
+    pipe.add_argument("--stages-per-rank", type=int, default=None, help="Interleaved1F1B: stages a rank (2)")
+    pipe.add_argument("--cut", default=None, help="comma-separated pieces each later stage starts at, e.g. blocks.2")
     opt = p.add_argument_group("optimisation")
     opt.add_argument("--steps", type=int, default=250, help="optimizer steps in this invocation")
     opt.add_argument(
@@ -148,8 +158,9 @@ def windows(tokens_path: Path, block_size: int, limit: int = 0) -> dict[str, np.
 
 
 def as_token_ids(batch: dict) -> dict:
-    """Byte tokens arrive as uint8 (as stored); embeddings and cross-entropy want int64 ids."""
-    return {**batch, "input": batch["input"].long(), "target": batch["target"].long()}
+    """Byte tokens arrive as uint8 (as stored); embeddings and cross-entropy want int64 ids. A pipeline stage
+    gets only the fields it reads (the first the inputs, the last the targets, a middle one neither)."""
+    return {**batch, **{k: batch[k].long() for k in ("input", "target") if k in batch}}
 
 
 # --------------------------------------------------------------------------- losses and metrics
@@ -174,6 +185,16 @@ def per_token_loss(logits, target: torch.Tensor) -> torch.Tensor:
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
     return loss.view(target.shape)
+
+
+def evaluation_hooks(pp: int) -> dict:
+    """The evaluator's forward/select: the per-token loss ``[B, T]`` the metrics see, without or with stages."""
+    if pp > 1:  # the schedule runs the stages; select runs on the last one
+        return {"select": lambda logits, batch: (per_token_loss(logits, batch["target"]),)}
+    return {
+        "forward": lambda m, batch: per_token_loss(m(batch["input"]), batch["target"]),
+        "select": lambda token_losses, batch: (token_losses,),
+    }
 
 
 class Perplexity(MeanLoss):
@@ -263,16 +284,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     train_ds = ArrayDataset(windows(data_dir / "train.npy", cfg.block_size))
     val_ds = ArrayDataset(windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
+    pp = topo.size(topo.stage_dims) if topo.stage_dims else 1
+    # Pipeline stages read only what they use: the first stage the inputs, the last the targets.
+    stages = {"stage_fields": {"first": ["input"], "last": ["target"]}} if pp > 1 else {}
     train_loader = mesh_dataloader(
-        train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read
+        train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read, **stages
     )
-    val_loader = mesh_dataloader(val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval", read=args.read)
+    val_loader = mesh_dataloader(
+        val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval", read=args.read, **stages
+    )
 
     # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
     model = GPT(cfg)
     n_params = model.num_parameters()
     plan = tp_plan(model) if tp > 1 else None  # without a tensor-parallel dim (or of size 1): data parallel only
-    model = meshwise.parallelize(model, topo, tp_plan=plan, dp="fsdp", fsdp_units=Block)
+    model = meshwise.parallelize(
+        model,
+        topo,
+        tp_plan=plan,
+        dp="fsdp",
+        fsdp_units=Block,
+        cut=args.cut.split(",") if args.cut else None,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
+    )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -284,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- trainer and evaluator. Every row holds block_size target tokens: the loss is the mean over the global
     # batch's tokens. The evaluator's forward computes the per-token loss from the vocab-sharded logits under
-    # loss_parallel(), so the logits are never gathered; the metrics weigh every valid token once.
+    # loss_parallel(), so the logits are never gathered; the metrics weigh every valid token once. Through
+    # pipeline stages the last stage's logits arrive whole at select=, which computes the per-token loss there.
     trainer = meshwise.create_trainer(
         model,
         optimizer,
@@ -299,8 +336,7 @@ def main(argv: list[str] | None = None) -> dict:
         model,
         topo,
         metrics={"loss": MeanLoss(), "perplexity": Perplexity()},
-        forward=lambda m, batch: per_token_loss(m(batch["input"]), batch["target"]),
-        select=lambda token_losses, batch: (token_losses,),
+        **evaluation_hooks(pp),
         prepare=as_token_ids,
     )
     checkpointer = meshwise.Checkpointer(run_dir / "checkpoints", topo)
