@@ -24,6 +24,7 @@ from meshwise.parallel.apply import (
     norm_from_power,
     scale_grads,
 )
+from meshwise.parallel.precision import check_trainer_precision, precision_of
 from meshwise.topology import Topology, resolve
 
 __all__ = ["LossWeight", "TrainStep", "create_trainer"]
@@ -99,6 +100,10 @@ class TrainStep:
         self.replica_copies = topo.world_size // self.data_parallel
         self.no_sync = accumulation_steps > 1 and hasattr(model, "set_requires_gradient_sync")
         self.reference = 1.0
+        # parallelize(precision=...)'s policy: autocast for the forward, and for fp16 a loss scaler (docs/precision.md)
+        self.precision = precision_of(model)
+        check_trainer_precision(model, self.precision)
+        self.scaler = self.precision.scaler()
         self.replicas_checked = not needs_check(topo)  # the first step compares batches (every step in debug)
         self.loss_count: float | None = None
         self.grad_norm: float | None = None
@@ -116,6 +121,8 @@ class TrainStep:
         engine.state.loss_count = self.loss_count
         if self.max_norm is not None and self.grad_norm is not None:
             engine.state.grad_norm = self.grad_norm
+        if self.scaler is not None:
+            engine.state.skipped_steps, engine.state.loss_scale = self.scaler.skipped, self.scaler.scale
         return loss
 
     def count_of(self, micro: Batch) -> float:
@@ -153,6 +160,12 @@ class TrainStep:
             self.loss_count = 0.0
             return math.nan
         factor = self.reference / count
+        if self.scaler is not None:  # norm_power is the world's: every rank skips the same steps
+            factor /= self.scaler.scale
+            if not self.scaler.update(norm_power is not None and math.isfinite(norm_power)):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.reference, self.loss_count = count, count
+                return loss_total / count
         if self.max_norm is not None:
             self.grad_norm = norm_from_power(norm_power, self.norm_type) * factor
             factor *= clip_coefficient(self.grad_norm, self.max_norm)
@@ -176,7 +189,8 @@ class TrainStep:
         if self.no_sync:
             self.model.set_requires_gradient_sync(last)
         with self.step_context():
-            output = self.forward(self.model, micro)
+            with self.precision.autocast():
+                output = self.forward(self.model, micro)
             loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -184,7 +198,7 @@ class TrainStep:
                     f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
                     "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
                 )
-            scale = count * self.data_parallel / self.reference
+            scale = count * self.data_parallel / self.reference * (self.scaler.scale if self.scaler else 1.0)
             (loss if scale == 1.0 else loss * scale).backward()
         if not count:
             return 0.0, None
@@ -200,7 +214,8 @@ class TrainStep:
         """
         topo, norm_type = self.topology, self.norm_type
         norm_power = None
-        if self.max_norm is not None and not math.isinf(norm_type):
+        wants_norm = self.max_norm is not None or self.scaler is not None  # the scaler's inf/nan check rides on it
+        if wants_norm and not math.isinf(norm_type):
             norm_part = local_norm_contribution(grads, topo, norm_type)
             copies = self.replica_copies
             vec = torch.stack([loss_sum.new_tensor(local_count) / copies, loss_sum / copies, norm_part])
@@ -214,7 +229,7 @@ class TrainStep:
             count, loss_total = vec.tolist()
         else:
             count, loss_total = local_count, loss_sum.item()
-        if self.max_norm is not None:
+        if wants_norm:
             peak = local_norm_contribution(grads, topo, norm_type)
             if topo.world_size > 1:
                 dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -15,6 +15,18 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from meshwise.errors import ParallelError
 from meshwise.parallel.pipeline import Cut, check_schedule, pipeline_of, split_model, stage_plan
+from meshwise.parallel.precision import (
+    ActivationCheckpointing,
+    Precision,
+    apply_activation_checkpointing,
+    apply_compile,
+    attach_precision,
+    block_names,
+    check_compiler,
+    check_precision,
+    checkpointed_modules,
+    precision_policy,
+)
 from meshwise.topology import Topology, resolve
 
 __all__ = [
@@ -191,6 +203,9 @@ def parallelize(
     schedule: str = "1F1B",
     microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    precision: str | None = "fp32",
+    activation_checkpointing: ActivationCheckpointing = None,
+    compile: bool | Mapping[str, Any] = False,
 ) -> nn.Module:
     """Apply ``tp_plan`` over the topology's replica dim, then data parallel over its metric dims; returns the model.
 
@@ -211,31 +226,90 @@ def parallelize(
     count (default: the number of stages). Each stage gets the TP plan and data parallel as above; the
     result is a :class:`~meshwise.parallel.pipeline.PipelineModel` with the full model's parameter names.
     Without a stage dim these four options are checked and otherwise ignored, so one script runs anywhere.
+
+    ``precision`` is ``"fp32"``, ``"bf16"`` or ``"fp16"`` (docs/precision.md): FSDP2/replicate units compute
+    in that dtype and reduce gradients in fp32 (a model without them runs its forward under autocast); the
+    parameters the optimizer steps stay fp32, the model's outputs come back fp32 for the loss, and for fp16
+    the trainer scales the loss. ``activation_checkpointing`` recomputes activations in backward: ``"full"``
+    (every block: the outermost ``fsdp_units``, else the children of the largest ``ModuleList``), an int k
+    (every k-th block), module names/patterns, or a predicate ``(name, module) -> bool``. ``compile=True``
+    (or a dict of ``torch.compile`` options) compiles each block in place. The order is torch's: TP, then
+    activation checkpointing, then compile, then data parallel. Parameter names never change.
     """
     topology = resolve(topology)
     _check_parallelize_input(model, topology, dp)
     check_schedule(schedule, stages_per_rank)
     plan = check_tp_plan(model, topology, tp_plan)
     units = fsdp_unit_names(model, fsdp_units)
+    policy = _check_extras(model, topology, dp, precision, fsdp_kwargs, activation_checkpointing, compile)
+    blocks = block_names(model, units)
+    if compile is not False and compile is not None and not blocks:
+        apply_compile(model, blocks, {})  # raises: nothing to compile per block
+    extras = (policy, checkpointed_modules(model, blocks, activation_checkpointing), compile)
     if topology.size(topology.stage_dims) > 1:
 
         def place(stage: nn.Module) -> nn.Module:
             names = dict(stage.named_modules())
             stage_tp = None if plan is None else stage_plan(plan, stage, _plan_matches)
-            stage = _apply_tp_plan(stage, topology, stage_tp)
-            return _apply_data_parallel(stage, topology, dp, [n for n in units if n in names], fsdp_kwargs)
+            stage_units, stage_blocks = [n for n in units if n in names], [b for b in blocks if b in names]
+            placed = _place(stage, topology, stage_tp, dp, stage_units, stage_blocks, fsdp_kwargs, extras)
+            return attach_precision(placed, policy)
 
-        return split_model(
-            model,
-            topology,
-            cut=cut,
-            schedule=schedule,
-            microbatches=microbatches,
-            stages_per_rank=stages_per_rank,
-            place=place,
+        return attach_precision(
+            split_model(
+                model,
+                topology,
+                cut=cut,
+                schedule=schedule,
+                microbatches=microbatches,
+                stages_per_rank=stages_per_rank,
+                place=place,
+            ),
+            policy,
+            outputs=False,
         )
+    return attach_precision(_place(model, topology, plan, dp, units, blocks, fsdp_kwargs, extras), policy)
+
+
+def _check_extras(
+    model: nn.Module, topology: Topology, dp: str, precision: Any, fsdp_kwargs: Any, ac: Any, compile: Any
+) -> Precision:
+    """The precision policy for this placement; bad precision, checkpointing or compile options raise first."""
+    name = precision_policy(precision)
+    check_precision(model, name, fsdp_kwargs)
+    by_fsdp = dp != "none" and topology.size(topology.metric_dims) > 1
+    if name != "fp32" and topology.size(topology.stage_dims) > 1 and (name == "fp16" or not by_fsdp):
+        raise ParallelError(
+            f"precision={name!r} with pipeline stages needs bf16 over FSDP2/replicate units (dp > 1): the "
+            "pipeline schedule runs no autocast and no loss scaler; use precision='bf16' with a dp dim"
+        )
+    if compile is not False and compile is not None:
+        if not (compile is True or isinstance(compile, Mapping)):
+            raise ParallelError(f"compile= must be True, False or a dict of torch.compile options, got {compile!r}")
+        check_compiler(topology.device.type, compile if isinstance(compile, Mapping) else {})
+    return Precision(name, by_fsdp=by_fsdp, device_type=topology.device.type)
+
+
+def _place(
+    model: nn.Module,
+    topology: Topology,
+    plan: dict[str, Any] | None,
+    dp: str,
+    units: Sequence[str],
+    blocks: list[str],
+    fsdp_kwargs: Mapping[str, Any] | None,
+    extras: tuple[Precision, Any, Any],
+) -> nn.Module:
+    """TP, then activation checkpointing, then compile, then data parallel (torchtitan's order)."""
+    policy, checkpointed, compile = extras
     model = _apply_tp_plan(model, topology, plan)
-    return _apply_data_parallel(model, topology, dp, units, fsdp_kwargs)
+    apply_activation_checkpointing(model, checkpointed)
+    if compile is not False and compile is not None and blocks:
+        apply_compile(model, blocks, compile if isinstance(compile, Mapping) else {})
+    kwargs = dict(fsdp_kwargs or {})
+    if policy.mp_policy() is not None:
+        kwargs["mp_policy"] = policy.mp_policy()
+    return _apply_data_parallel(model, topology, dp, units, kwargs)
 
 
 def _apply_data_parallel(
