@@ -11,6 +11,7 @@ _LAZY = {
     "check_data_parallel": "meshwise.parallel.apply",
     "reshard": "meshwise.parallel.apply",
     "halo_exchange": "meshwise.parallel.halo",
+    "context_parallel": "meshwise.parallel.context",
 }
 
 __all__ = list(_LAZY)

@@ -1,0 +1,234 @@
+"""Context parallel: attention over token windows split along a ``split`` dim, exact, forward and backward.
+
+Each rank holds the queries, keys and values of its own tokens (e.g. the loader's balanced chunks,
+``Shard(0, balanced=True)``) and their global positions. Keys and values are all-gathered over the split group
+once per call, put in token order, and each run of consecutive local positions attends to the keys before it
+(causal) with an online-softmax-free exact softmax; backward recomputes the scores and sums the key/value
+gradients back to their owners. torch's ``context_parallel`` is not used (docs/context.md says why).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from meshwise.errors import ParallelError
+from meshwise.topology import Topology, resolve
+
+__all__ = ["ContextAttention", "attention", "context_parallel", "describe"]
+
+ENTRY_POINT = "context_attention"  # the attribute of a model's attention modules that context_parallel sets
+
+
+def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """The order that sorts the gathered keys into token order, and the local query runs ``(start, a, b)``.
+
+    A run is local rows ``[start, start + b - a)`` holding the consecutive positions ``[a, b)``.
+    """
+    n = gathered.numel()
+    perm = torch.argsort(gathered)
+    if not torch.equal(gathered[perm], torch.arange(n, device=gathered.device)):
+        raise ParallelError(
+            f"context-parallel attention: the positions of the split ranks' tokens are not 0..{n - 1} once each "
+            f"(got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
+            "Shard(0, balanced=True) (or Shard(0)) on the token fields, the same on every rank of the split group"
+        )
+    pos = positions.tolist()
+    runs, start = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((start, pos[start], pos[i - 1] + 1))
+            start = i
+    return perm, runs
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, a: int, b: int, causal: bool, scale: float) -> torch.Tensor:
+    """Scores of queries at positions ``[a, b)`` against keys ``[0, b)`` (``[0, T)`` when not causal)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:  # only the last b - a keys can be later than a query: a triangle, built per call, never saved
+        tri = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).triu_(1)
+        s[..., a:b] = s[..., a:b].masked_fill(tri, float("-inf"))
+    return s
+
+
+class _ContextAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group, me, causal, scale):  # type: ignore[override]
+        size = dist.get_world_size(group) if group is not None else 1
+        kv = torch.cat([k, v], dim=-1).contiguous()
+        if size > 1:
+            parts = [torch.empty_like(kv) for _ in range(size)]
+            dist.all_gather(parts, kv, group=group)
+            pos_parts = [torch.empty_like(positions) for _ in range(size)]
+            dist.all_gather(pos_parts, positions.contiguous(), group=group)
+            kv, gathered = torch.cat(parts, dim=-2), torch.cat(pos_parts)
+        else:
+            gathered = positions
+        perm, runs = _layout(positions, gathered)
+        kv = kv.index_select(-2, perm)  # token order
+        d = k.shape[-1]
+        keys, values = kv[..., :d], kv[..., d:]
+        out, lses = q.new_empty(*q.shape[:-1], v.shape[-1]), []
+        for start, a, b in runs:
+            stop = b if causal else keys.shape[-2]
+            s = _scores(q[..., start : start + b - a, :], keys[..., :stop, :], a, b, causal, scale)
+            lse = torch.logsumexp(s, dim=-1, keepdim=True)
+            out[..., start : start + b - a, :] = torch.matmul(torch.exp(s - lse), values[..., :stop, :])
+            lses.append(lse)
+        ctx.save_for_backward(q, kv, out, perm, *lses)
+        ctx.runs, ctx.group, ctx.me, ctx.causal, ctx.scale, ctx.d, ctx.size = runs, group, me, causal, scale, d, size
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, kv, out, perm, *lses = ctx.saved_tensors
+        d, scale = ctx.d, ctx.scale
+        keys, values = kv[..., :d], kv[..., d:]
+        dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
+        dkeys, dvalues = dkv[..., :d], dkv[..., d:]
+        for (start, a, b), lse in zip(ctx.runs, lses):
+            rows = slice(start, start + b - a)
+            stop = b if ctx.causal else keys.shape[-2]
+            qr, gr = q[..., rows, :], dout[..., rows, :]
+            p = torch.exp(_scores(qr, keys[..., :stop, :], a, b, ctx.causal, scale) - lse)
+            dvalues[..., :stop, :] += torch.matmul(p.transpose(-1, -2), gr)
+            dp = torch.matmul(gr, values[..., :stop, :].transpose(-1, -2))
+            ds = p * (dp - (gr * out[..., rows, :]).sum(dim=-1, keepdim=True)) * scale
+            dq[..., rows, :] = torch.matmul(ds, keys[..., :stop, :])
+            dkeys[..., :stop, :] += torch.matmul(ds.transpose(-1, -2), qr)
+        # back to gathered (rank) order; every rank's queries add to every key: sum, then keep my own rows
+        dkv = torch.empty_like(dkv).index_copy_(-2, perm, dkv)
+        if ctx.size > 1:
+            dist.all_reduce(dkv, group=ctx.group)
+        n = q.shape[-2]
+        mine = dkv[..., ctx.me * n : (ctx.me + 1) * n, :]
+        return dq, mine[..., :d], mine[..., d:], None, None, None, None, None
+
+
+def _split_dim(topology: Topology, dim: str | None) -> str:
+    split = list(topology.split_dims)
+    if dim is None:
+        if len(split) != 1:
+            raise ParallelError(
+                f"context-parallel attention needs the split dim that cuts the token windows; the mesh has "
+                f"{split or 'none'} ({topology.layout.dims_text()}): add one (e.g. {{'dp': -1, 'cp': 2}}) or pass "
+                "dim=..."
+            )
+        return split[0]
+    if topology.roles.get(dim) != "split":
+        raise ParallelError(
+            f"context-parallel attention over {dim!r}: not a split dim of the mesh ({topology.layout.dims_text()}); "
+            f"name a split dim or declare roles={{{dim!r}: 'split'}}"
+        )
+    return dim
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    topology: Topology | None = None,
+    *,
+    dim: str | None = None,
+    is_causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of this rank's tokens to every token of the window, split over the split dim ``dim``.
+
+    ``q``, ``k``, ``v``: ``[..., T_local, head_dim]`` (e.g. ``[B, heads, T_local, head_dim]``, as for
+    ``F.scaled_dot_product_attention``); ``positions``: the global index of each local token, ``[T_local]`` or
+    ``[B, T_local]`` with equal rows (the loader's ``batch["positions"]``). The split ranks' positions together
+    must be ``0..T-1`` once each, every rank with the same ``T_local``. Causal by the true positions
+    (``is_causal=False``: every token sees the whole window). Equals one process's attention over the whole
+    window, forward and backward. Communication on ``topology.group(dim)``: one all-gather of K and V (and of
+    the positions) forward, one all-reduce of their gradients backward.
+    """
+    topology = resolve(topology)
+    dim = _split_dim(topology, dim)
+    if not (q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ParallelError(
+            f"context-parallel attention wants q, k, v of one shape [..., T_local, head_dim], got {list(q.shape)}, "
+            f"{list(k.shape)}, {list(v.shape)}"
+        )
+    if positions.ndim == 2:
+        if positions.shape[0] == 0:  # no valid row here: the split peers hold the same (no) samples
+            return q * 0
+        if not bool((positions == positions[:1]).all()):
+            raise ParallelError("context-parallel attention: positions differ between rows; every row shares one")
+        positions = positions[0]
+    if positions.ndim != 1 or positions.numel() != q.shape[-2]:
+        raise ParallelError(
+            f"context-parallel attention: positions of shape {list(positions.shape)} for {q.shape[-2]} local tokens; "
+            "pass batch['positions'] ([B, T_local]) or one row of it"
+        )
+    size = topology.size(dim)
+    group = topology.group(dim) if size > 1 else None
+    me = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return _ContextAttention.apply(q, k, v, positions.to(torch.int64), group, me, is_causal, scale)
+
+
+class ContextAttention:
+    """The attention a model's attention modules call under context parallel: ``(q, k, v, positions) -> y``."""
+
+    def __init__(self, topology: Topology | None = None, dim: str | None = None) -> None:
+        self.topology = resolve(topology)
+        self.dim = _split_dim(self.topology, dim)
+        self.description = (
+            f"meshwise all-gather attention over {self.dim!r} ({self.topology.size(self.dim)} ranks: K/V "
+            "all-gathered, causal by true token positions)"
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return attention(q, k, v, positions, self.topology, dim=self.dim)
+
+    def __repr__(self) -> str:
+        return f"ContextAttention({self.description})"
+
+
+def _require_positions(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
+        raise ParallelError(
+            f"{type(module).__name__} runs under context parallel: each rank holds only part of every window, so "
+            "call it with the global positions of its tokens, model(batch['input'], positions=batch['positions']) "
+            "(a loader with Shard(0, balanced=True) adds them)"
+        )
+
+
+def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim: str | None = None) -> nn.Module:
+    """Make ``model``'s attention attend across the split dim ``dim``; return ``model`` (changed in place).
+
+    Every submodule with a ``context_attention`` attribute (the known entry point: ``None`` by default, called
+    as ``self.context_attention(q, k, v, positions)`` when set) gets a :class:`ContextAttention`. The model's
+    ``forward`` must take ``positions`` (its tokens' global positions); calling it without them then raises.
+    """
+    attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
+    if not attention_modules:
+        raise ParallelError(
+            f"{type(model).__name__} has no known attention entry point for context parallel: give its attention "
+            f"modules an attribute `{ENTRY_POINT} = None` and, when it is set, call "
+            f"`self.{ENTRY_POINT}(q, k, v, positions)` instead of F.scaled_dot_product_attention (or call "
+            "meshwise.parallel.context.attention yourself)"
+        )
+    if "positions" not in inspect.signature(model.forward).parameters:
+        raise ParallelError(
+            f"{type(model).__name__}.forward takes no `positions`: under context parallel the model needs the "
+            "global positions of its tokens (position embeddings, the causal mask): add a positions=None argument"
+        )
+    attn = ContextAttention(topology, dim)
+    for m in attention_modules:
+        setattr(m, ENTRY_POINT, attn)
+    model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+    return model
+
+
+def describe(model: Any) -> str:
+    """Which attention the model's context-parallel entry points run (for the run's description)."""
+    found = {getattr(m, ENTRY_POINT) for m in model.modules() if getattr(m, ENTRY_POINT, None) is not None}
+    return "; ".join(a.description for a in found) if found else "torch scaled_dot_product_attention (no split)"
