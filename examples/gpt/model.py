@@ -46,13 +46,20 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    # Set by meshwise.parallel.context_parallel: attention over a window split across ranks (context parallel).
+    context_attention = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism the local q/k/v hold n_head / tp heads.
         q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        if self.context_attention is not None:  # this rank holds part of the window: it attends to earlier ranks'
+            y = self.context_attention(q, k, v, positions)
+        else:
+            dropout = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.out(y)
 
@@ -76,8 +83,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), positions))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -111,7 +118,8 @@ class GPT(nn.Module):
             else:
                 nn.init.ones_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the global position of each token when the window is split (context parallel)."""
         # Pipeline stages (meshwise.parallelize over a pp dim) hold some pieces only; the others are None:
         # the first stage embeds token ids, later ones get the previous stage's activations [B, T, d_model].
         x = idx
@@ -119,11 +127,11 @@ class GPT(nn.Module):
             T = idx.shape[1]
             if T > self.cfg.block_size:
                 raise ValueError(f"sequence of {T} tokens is longer than block_size {self.cfg.block_size}")
-            x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))
+            x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device) if positions is None else positions)
             if self.drop is not None:
                 x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         if self.ln_f is not None:
             x = self.ln_f(x)
         return x if self.head is None else self.head(x)
