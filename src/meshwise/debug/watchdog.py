@@ -75,6 +75,7 @@ class Call:
     thread: int = field(default_factory=threading.get_ident, repr=False)
     started: float = field(default_factory=time.monotonic, repr=False)
     finished_at: tuple[str, int, str] | None = field(default=None, repr=False)
+    _text: str | None = field(default=None, init=False, repr=False)
 
     def finish(self) -> None:
         """Drop the frame (a finished frame would keep its locals, a batch say, alive) but keep its line."""
@@ -103,6 +104,13 @@ class Call:
     def fingerprint(self) -> dict[str, Any]:
         """What every rank of the group must agree on."""
         return {"op": self.op, "shapes": self.shapes, "step": self.step}
+
+    def text(self) -> str:
+        """:func:`describe` of this call, made once: the crash report's head is rewritten at every guarded call,
+        and walking the frames for the call site each time would cost more than the collective's bookkeeping."""
+        if self._text is None:
+            self._text = describe(self.record())
+        return self._text
 
     def record(self) -> dict[str, Any]:
         """The fingerprint with the group, call site and age: what reports and messages are made of."""
@@ -229,8 +237,8 @@ def _note() -> None:
     if record is not None:
         last = _LAST[0]
         record.write(
-            "open collectives: " + ("; ".join(describe(c.record()) for c in _OPEN) or "none"),
-            "last finished: " + ("none" if last is None else describe(last.record())),
+            "open collectives: " + ("; ".join(c.text() for c in _OPEN) or "none"),
+            "last finished: " + ("none" if last is None else last.text()),
         )
 
 
