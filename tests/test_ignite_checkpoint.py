@@ -75,7 +75,7 @@ def _save(topo, root: str, refused: str) -> dict:
 
     trainer = Engine(step)
     to_save = {"model": model, "optimizer": opt, "trainer": trainer}
-    saver = MeshSaver(root, topo)
+    saver = MeshSaver(root, topo, async_save=True)  # writes in the background; n_saved's remove waits for it
     best = Checkpoint(
         to_save,
         saver,
@@ -85,7 +85,8 @@ def _save(topo, root: str, refused: str) -> dict:
         n_saved=2,
         global_step_transform=global_step_from_engine(trainer),
     )
-    last = Checkpoint({"model": model}, saver, filename_prefix="last", n_saved=1)  # one object: handed unwrapped
+    sync_saver = MeshSaver(root, topo)
+    last = Checkpoint({"model": model}, sync_saver, filename_prefix="last", n_saved=1)  # one object: unwrapped
     trainer.add_event_handler(Events.STARTED, lambda e: check_ignite_checkpoints(e, topo))  # passes: MeshSaver
     trainer.add_event_handler(Events.EPOCH_COMPLETED, best)
     states, probes = {}, {}
@@ -102,6 +103,7 @@ def _save(topo, root: str, refused: str) -> dict:
     classic.save(8, model=model, optimizer=opt)  # the export also reads the Checkpointer's own checkpoints
     classic.close()
     saver.close()
+    sync_saver.close()
     out = {"saved": [(p, f) for p, f in best._saved], "last": last.last_checkpoint, "listing": sorted(os.listdir(root))}
     out["disk"] = _refused(topo, refused + "-disk", "disk")
     out["model_checkpoint"] = _refused(topo, refused + "-mc", "mc")

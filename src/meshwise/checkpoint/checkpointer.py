@@ -10,9 +10,9 @@ import copy
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from meshwise.checkpoint.state import (
     warn_differences,
 )
 from meshwise.checkpoint.validation import check_keys, read_record
-from meshwise.checkpoint.writer import CommitWriter, failure_text
+from meshwise.checkpoint.writer import CommitWriter, cached_planner, drop_plans, failure_text, plan_key, stage
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
 
@@ -114,11 +114,13 @@ class Checkpointer:
         self.async_save = bool(async_save)
         self.rng_seed = int(rng_seed)
         self.verbose = verbose
-        self._pending: threading.Thread | None = None
+        self._pending: Future | None = None
         self._pending_error: BaseException | None = None
         self._last_saved: int | None = None
         self._group = None
-        self._stager: Any = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._buffers: dict[tuple, Any] = {}  # async staging buffers, kept from save to save
+        self._plan_key = plan_key()
         self._root_checked = False  # rank 0 accepted root once: later async saves prepare in the background
         if self.async_save and dist.is_initialized():
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
@@ -283,6 +285,10 @@ class Checkpointer:
         else:
             self._save_now(entry, tmp, state, writer)
 
+    def _planner(self) -> Any:
+        """DCP's default planner, reusing this checkpointer's last plan when the state's layout did not change."""
+        return cached_planner(self._plan_key)
+
     def _prepare(self, entry: int | str) -> None:
         """Rank 0, inside DCP's planning: raise a deferred error of the last save, then make the empty folder.
 
@@ -348,32 +354,26 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, planner=self._planner())
         except (Exception, dcp.CheckpointException) as exc:  # DCP's is a BaseException
             raise CheckpointError(
                 f"saving checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
             ) from exc
 
     def _start_async(self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter) -> None:
+        try:
+            staged = stage(state, self._buffers)  # a copy: training may change the tensors once save() returns
+        except Exception as exc:
+            raise CheckpointError(f"async save of {tmp} failed staging: {exc}. 'latest' is untouched") from exc
+        if self._worker is None:  # one thread for every save: none is started per save
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshwise-ckpt")
+        self._pending = self._worker.submit(self._write_async, step, tmp, staged, writer)
+
+    def _write_async(self, step: int | str, tmp: Path, staged: dict[str, Any], writer: CommitWriter) -> None:
         import torch.distributed.checkpoint as dcp
 
-        try:
-            if self._stager is None:
-                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-                # one stager for every save: it keeps its CPU buffers, so staging is a copy, not an allocation
-                self._stager = DefaultStager(StagingOptions(False, False, False, False))
-            future = dcp.async_save(state, storage_writer=writer, async_stager=self._stager, process_group=self._group)
-        except Exception as exc:
-            raise CheckpointError(f"async save of {tmp} failed: {exc}. 'latest' is untouched") from exc
-        self._pending = threading.Thread(
-            target=self._finish_async, args=(future, step, tmp), name=f"meshwise-ckpt-{step}"
-        )
-        self._pending.start()
-
-    def _finish_async(self, future: Any, step: int | str, tmp: Path) -> None:
-        try:
-            future.result()  # DCP's thread wrote, synced and (rank 0) published the folder
+        try:  # DCP writes, syncs and (rank 0, in its finish step) publishes the folder
+            dcp.save(staged, storage_writer=writer, planner=self._planner(), process_group=self._group)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
             self._pending_error = CheckpointError(
                 f"async save of checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
@@ -383,9 +383,9 @@ class Checkpointer:
 
     def _join(self) -> None:
         """Wait for this rank's background work of the previous save (async write, or rank 0's finalizer)."""
-        thread, self._pending = self._pending, None
-        if thread is not None:
-            thread.join()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # _write_async keeps its error for wait()
         self.folder.join()
 
     def wait(self) -> None:
@@ -405,9 +405,11 @@ class Checkpointer:
         self.wait()
         self._on_rank0(lambda: None)  # raises, on every rank, an error rank 0 had finishing the last save
         self.folder.join_deletions()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        self._buffers.clear()
+        drop_plans(self._plan_key)
 
     def __enter__(self) -> Checkpointer:
         return self
