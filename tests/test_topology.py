@@ -521,14 +521,18 @@ def test_detect_environment_under_srun():
         ({"tp": 4, "dp": 2}, [0, 0, 1, 1, 2, 2, 3, 3], []),  # tp 4 > 2 per node: crosses in any order
         ({"cp": 2, "tp": 2, "dp": 2}, [0] * 4 + [1] * 4, ["cp"]),  # cp crosses; tp is inner either way
         ({"cp": 2, "tp": 2, "dp": 2}, [0, 0, 1, 1, 2, 2, 3, 3], ["tp"]),  # cp crosses in any order: not named
-        ({"pp": 2, "dp": 2, "tp": 2}, [0] * 4 + [1] * 4, []),  # a stage dim may cross nodes
+        ({"pp": 2, "dp": 2, "tp": 2}, [0] * 4 + [1] * 4, []),  # pp crossing keeps dp and tp inside: wanted
+        ({"pp": 2, "dp": 4, "tp": 2}, [r // 4 for r in range(16)], ["pp"]),  # dp crosses anyway: pp needlessly
+        ({"pp": 2, "dp": 4}, [r // 2 for r in range(8)], ["pp"]),
+        ({"pp": 2, "dp": 2}, [0, 1, 2, 3], []),  # one rank a node: pp crosses in any order
+        ({"dp": 2, "pp": 2, "tp": 2}, [0] * 4 + [1] * 4, []),  # batch dims first already
         ({"x": 2, "dp": 2}, [0, 0, 1, 1], ["x"]),  # by role, not by name (x is split below)
     ],
 )
 def test_placement_warning_names_the_chatty_dim_that_crosses_nodes(mesh, nodes, warned):
     layout = Layout.resolve(mesh, len(nodes), {"x": "split"} if "x" in mesh else None)
     messages = placement_warnings(layout, nodes)
-    named = [re.match(r"mesh dim '(\w+)' \((replica|split)\) crosses nodes", m).group(1) for m in messages]
+    named = [re.match(r"mesh dim '(\w+)' \((replica|split|stage)\) crosses nodes", m).group(1) for m in messages]
     assert named == warned, messages
     roles = {"x": "split"} if "x" in mesh else None
     batch = layout.dims_with("batch")
@@ -539,6 +543,23 @@ def test_placement_warning_names_the_chatty_dim_that_crosses_nodes(mesh, nodes, 
     for d in warned:  # the advice holds: in the suggested order that dim stays inside nodes
         better = Layout.resolve(suggested, len(nodes), roles)
         assert d in dims_crossing_nodes(layout, nodes) and d not in dims_crossing_nodes(better, nodes)
+
+
+def test_describe_shows_each_ranks_stage_and_warns_of_a_needless_stage_crossing(capsys):
+    from meshwise import launch
+
+    argv = ["describe", "--mesh", "pp=2,dp=2,tp=2", "--nproc-per-node", "4", "--nnodes", "2"]
+    assert launch.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("stage dims ('pp',) (2 pipeline stages)"), lines[0]
+    head = lines[2].split()
+    assert head[:5] == ["rank", "node", "pp(stage)", "dp(batch)", "tp(replica)"], head
+    stage = {int(r.split()[0]): int(r.split()[2]) for r in lines[4:12]}
+    assert stage == {r: r // 4 for r in range(8)}, stage  # the first 4 ranks (node 0) run stage 0
+    assert not [x for x in lines if x.startswith("warning")], lines  # pp crossing keeps dp and tp inside nodes
+    assert launch.main(["describe", "--mesh", "pp=2,dp=4", "--nproc-per-node", "2", "--nnodes", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("warning: mesh dim 'pp' (stage) crosses nodes") and "'dp=4,pp=2'" in lines[-1]
 
 
 def test_placement_inputs_are_checked_and_the_table_shows_nodes():

@@ -311,6 +311,9 @@ class Layout:
             f"(data size {self.size(batch) if batch else 1}); metric dims {self.dims_with('batch', 'split') or '-'}; "
             f"replica dims {self.dims_with('replica') or '-'}"
         )
+        stage = self.dims_with("stage")
+        if stage:  # each rank's stage is its coordinate in the pp(stage) column
+            summary += f"; stage dims {stage} ({self.size(stage)} pipeline stages)"
         if nodes is None:
             return summary + "\n" + "\n".join(lines)
         names = list(node_names or [])
@@ -324,6 +327,25 @@ class Layout:
         )
         advice = [f"warning: {w}" for w in placement_warnings(self, nodes)]
         return "\n".join([summary, *lines, *advice])
+
+    def summary(self, nodes: Sequence[int] | None = None, node_names: Sequence[str] | None = None) -> str:
+        """What :meth:`table` says without a row per rank, for large worlds: one line per dim's groups."""
+        lines = [self.table(None).split("\n", 1)[0]] if self.world_size <= 1 else []
+        mesh = " x ".join(f"{d}={s}" for d, s in zip(self.dims, self.sizes))
+        lines = lines or [f"mesh {mesh} (world {self.world_size}); {self.dims_text()}; rows per rank: --all-ranks"]
+        for i, (dim, size) in enumerate(zip(self.dims, self.sizes)):
+            stride = math.prod(self.sizes[i + 1 :])
+            ranks = f"0-{size - 1}" if stride == 1 else f"0,{stride},...,{stride * (size - 1)}"
+            lines.append(f"  {dim} group: {self.world_size // size} groups of {size}, ranks {stride} apart (first: {ranks})")
+        if nodes is not None:
+            nodes = _check_nodes(self, nodes)
+            names = list(node_names or [])
+            lines.append(
+                f"  {len(set(nodes))} node(s) ({names[0] if names else 'node 0'}, ...); dims whose groups cross "
+                f"nodes: {dims_crossing_nodes(self, nodes) or '-'}"
+            )
+            lines += [f"warning: {w}" for w in placement_warnings(self, nodes)]
+        return "\n".join(lines)
 
 
 def check_rank_grid(layout: Layout, grid: Sequence) -> None:
@@ -420,11 +442,15 @@ def dims_crossing_nodes(layout: Layout, nodes: Sequence[int]) -> tuple[str, ...]
 
 def placement_warnings(layout: Layout, nodes: Sequence[int]) -> list[str]:
     """Advice for each ``replica`` or ``split`` dim whose groups cross nodes when declaring the ``batch`` dims
-    first (outermost) would keep those groups inside a node.
+    first (outermost) would keep those groups inside a node, and for each ``stage`` dim that crosses nodes
+    needlessly: while a batch dim crosses them anyway, and declaring the batch dims first keeps the stage
+    groups inside a node without pushing a replica or split dim out.
 
     ``nodes[r]`` is the node of global rank ``r``. Launchers number ranks node by node and the mesh's last
     dim varies fastest, so the last dims land inside a node: tensor-parallel all-reduces (every layer) and
     halo exchanges belong there, while a batch dim's gradient reduction (once a step) can cross the network.
+    A pipeline's point-to-point sends are light (one activation per micro-batch and boundary), so a stage
+    dim crossing nodes to keep every other dim inside one is the usual layout and is not warned about.
     Pure arithmetic: :func:`meshwise.init` warns with these messages (:class:`PlacementWarning`) on rank 0.
     """
     nodes = _check_nodes(layout, nodes)
@@ -451,5 +477,29 @@ def placement_warnings(layout: Layout, nodes: Sequence[int]) -> list[str]:
             f"collectives ({'every layer' if role == 'replica' else 'every halo exchange'}) go over the network, "
             f"while batch dim(s) {list(batch)} could cross them instead (fewer, larger transfers). "
             f"Declare the batch dims first, mesh '{spec}' (same roles), and each {dim!r} group stays on one node"
+        )
+    return messages + _stage_warnings(layout, reordered, nodes, spec)
+
+
+def _stage_warnings(layout: Layout, reordered: Layout, nodes: Sequence[int], spec: str) -> list[str]:
+    """Stage dims whose p2p crosses nodes although a batch dim crosses them anyway and the batch-first
+    order ``reordered`` keeps the stage groups inside a node at no cost to replica or split dims."""
+    batch = layout.dims_with("batch")
+    chatty = layout.dims_with("replica", "split")
+    if not any(_spans_nodes(layout, d, nodes) for d in batch) or any(
+        _spans_nodes(reordered, d, nodes) and not _spans_nodes(layout, d, nodes) for d in chatty
+    ):
+        return []  # the stage dim's crossing keeps the batch (or a chattier) dim inside the nodes: wanted
+    messages = []
+    for dim in layout.dims_with("stage"):
+        if not _spans_nodes(layout, dim, nodes) or _spans_nodes(reordered, dim, nodes):
+            continue
+        groups = layout.groups(dim)
+        shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:4]) + (" ..." if len(groups) > 4 else "")
+        messages.append(
+            f"mesh dim {dim!r} (stage) crosses nodes: its groups {shown} "
+            f"send every micro-batch's activations and gradients over the network, while batch dim(s) "
+            f"{list(batch)} cross nodes anyway. Declare the batch dims first, mesh '{spec}' (same roles), and each "
+            f"{dim!r} group stays on one node (a warning only: the pipeline's sends are light)"
         )
     return messages
