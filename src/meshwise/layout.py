@@ -330,13 +330,12 @@ class Layout:
 
     def summary(self, nodes: Sequence[int] | None = None, node_names: Sequence[str] | None = None) -> str:
         """What :meth:`table` says without a row per rank, for large worlds: one line per dim's groups."""
-        lines = [self.table(None).split("\n", 1)[0]] if self.world_size <= 1 else []
-        mesh = " x ".join(f"{d}={s}" for d, s in zip(self.dims, self.sizes))
-        lines = lines or [f"mesh {mesh} (world {self.world_size}); {self.dims_text()}; rows per rank: --all-ranks"]
+        lines = [f"mesh {self.dims_text()}, world {self.world_size} (a row per rank: describe(all_ranks=True))"]
         for i, (dim, size) in enumerate(zip(self.dims, self.sizes)):
             stride = math.prod(self.sizes[i + 1 :])
             ranks = f"0-{size - 1}" if stride == 1 else f"0,{stride},...,{stride * (size - 1)}"
-            lines.append(f"  {dim} group: {self.world_size // size} groups of {size}, ranks {stride} apart (first: {ranks})")
+            count = self.world_size // size
+            lines.append(f"  {dim} groups: {count} of {size} ranks, {stride} apart (the first: {ranks})")
         if nodes is not None:
             nodes = _check_nodes(self, nodes)
             names = list(node_names or [])
