@@ -1,4 +1,5 @@
-"""Model parallelism over the topology: TP plans and FSDP2 placed by roles, global-norm clipping, halo exchange."""
+"""Model parallelism over the topology: TP plans and FSDP2 placed by roles, pipeline stages, global-norm clipping,
+halo exchange."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ _LAZY = {
     "check_data_parallel": "meshwise.parallel.apply",
     "reshard": "meshwise.parallel.apply",
     "halo_exchange": "meshwise.parallel.halo",
+    "PipelineModel": "meshwise.parallel.pipeline",
+    "pipeline_of": "meshwise.parallel.pipeline",
+    "pipeline_units": "meshwise.parallel.pipeline",
+    "stage_cuts": "meshwise.parallel.pipeline",
     "context_parallel": "meshwise.parallel.context",
 }
 
