@@ -2,7 +2,8 @@
 
 This is the only module that reads launcher variables (``RANK``, ``WORLD_SIZE``, ``SLURM_*``, ``OMPI_*``,
 ``MASTER_*``, ``GROUP_RANK``, ``TORCHELASTIC_*``): torchrun, SLURM's srun (with its node lists and task
-counts) and OpenMPI's mpirun.
+counts) and OpenMPI's mpirun; and ``MESHWISE_DRY_RUN``, which ``meshwise run --dry-run`` sets to make this
+one process stand for any rank of a planned world (docs/dryrun.md).
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ from dataclasses import dataclass
 from meshwise.errors import TopologyError
 
 __all__ = [
+    "DRY_RUN_VARIABLE",
+    "DryRunSpec",
     "Environment",
     "SlurmJob",
     "detect_environment",
+    "dry_run_spec",
     "expand_nodelist",
     "parse_tasks_per_node",
     "slurm_job",
@@ -32,7 +36,7 @@ __all__ = [
 class Environment:
     """Where this process sits, read once from the launcher's variables."""
 
-    launcher: str  # "torchrun", "slurm", "mpi" or "none"
+    launcher: str  # "torchrun", "slurm", "mpi", "dry-run" or "none"
     rank: int
     world_size: int
     local_rank: int
@@ -45,6 +49,51 @@ class Environment:
     # torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT, after --max-restarts): each attempt joins a fresh
     # group through the same store, so init keys its store prefix on it.
     restart_count: int = 0
+
+
+DRY_RUN_VARIABLE = "MESHWISE_DRY_RUN"  # "rank=R,world=N,nproc=P,steps=K", set by meshwise run --dry-run
+
+
+@dataclass(frozen=True)
+class DryRunSpec:
+    """The planned process this one stands for in a dry run, and how many trainer steps to run."""
+
+    rank: int
+    world_size: int
+    nproc_per_node: int
+    steps: int
+
+    def text(self) -> str:
+        return f"rank={self.rank},world={self.world_size},nproc={self.nproc_per_node},steps={self.steps}"
+
+
+def dry_run_spec(env: Mapping[str, str] | None = None) -> DryRunSpec | None:
+    """The ``MESHWISE_DRY_RUN`` plan, checked as a real launch checks its ranks; None when it is not set."""
+    env = os.environ if env is None else env
+    value = env.get(DRY_RUN_VARIABLE)
+    if not value:
+        return None
+    try:
+        fields = dict(item.split("=", 1) for item in value.split(","))
+        rank, world = int(fields["rank"]), int(fields["world"])
+        nproc, steps = int(fields.get("nproc", world)), int(fields.get("steps", 2))
+    except (KeyError, ValueError):
+        raise TopologyError(
+            f"{DRY_RUN_VARIABLE}={value!r} is not a dry-run plan: start it with meshwise run --dry-run --world-size N "
+            "--rank R [--nproc-per-node P] script.py, or set it as 'rank=R,world=N,nproc=P,steps=K'"
+        ) from None
+    if world < 1 or not 0 <= rank < world:
+        raise TopologyError(
+            f"dry-run rank {rank} is outside the world of {world} ranks: pass --rank between 0 and {max(world - 1, 0)}"
+        )
+    if nproc < 1 or world % nproc:
+        raise TopologyError(
+            f"--nproc-per-node {nproc} does not divide the world size {world}: a launch places the same number of "
+            "processes on every node; pass a divisor of the world size"
+        )
+    if steps < 1:
+        raise TopologyError(f"a dry run runs at least one trainer step, got steps={steps}: pass --dry-run-steps >= 1")
+    return DryRunSpec(rank, world, nproc, steps)
 
 
 # SLURM writes node lists in its hostlist syntax; these are the characters of a host name outside brackets.
@@ -240,6 +289,10 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     are exported.
     """
     env = os.environ if env is None else env
+    dry = dry_run_spec(env)
+    if dry is not None:  # wins over every launcher: this process plays one rank of a world that is not there
+        p = dry.nproc_per_node
+        return Environment("dry-run", dry.rank, dry.world_size, dry.rank % p, p, "dry-run", 0, dry.rank // p)
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     port = _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else 29500
     if "RANK" in env and "WORLD_SIZE" in env:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from meshwise.dryrun import join_fake_group, node_of, note_topology
 from meshwise.environment import Environment, detect_environment
 from meshwise.errors import CollectiveTimeoutError, PlacementWarning, TopologyError
 from meshwise.layout import ROLES, Dims, Layout, check_rank_grid, placement_warnings
@@ -111,9 +112,8 @@ class Topology:
 
     def dims_with(self, *roles: str) -> tuple[str, ...]:
         """Dims whose role is one of ``roles``, in mesh order."""
-        for r in roles:
-            if r not in ROLES:
-                raise TopologyError(f"unknown role {r!r}: use one of {ROLES}")
+        if any(r not in ROLES for r in roles):
+            raise TopologyError(f"unknown role in {roles}: use one of {ROLES}")
         return self.layout.dims_with(*roles)
 
     @property
@@ -213,10 +213,11 @@ class Topology:
         """The ProcessGroup of this rank's group along ``dims`` (flattened groups were made at init)."""
         return self.submesh(dims).get_group()  # type: ignore[attr-defined]
 
-    def describe(self) -> str:
-        """A table of every rank's coordinate and groups, with this topology's device and backend."""
+    def describe(self, all_ranks: bool | None = None) -> str:
+        """Device, backend and the layout: a row per rank up to 64 ranks (or ``all_ranks``), else a line per dim."""
         head = f"backend {self.backend}, device {self.device.type}, launcher {self.environment.launcher}\n"
-        return head + self.layout.table(self.nodes, self.node_names)
+        rows = self.world_size <= 64 if all_ranks is None else all_ranks
+        return head + (self.layout.table if rows else self.layout.summary)(self.nodes, self.node_names)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -324,6 +325,7 @@ def init(
     if env.rank == 0:  # the same advice on every rank: one copy is enough
         for message in placement_warnings(layout, nodes):
             warnings.warn(message, PlacementWarning, stacklevel=_outside_meshwise())
+    note_topology(_CURRENT)  # a dry run's recorder (meshwise.dryrun); nothing otherwise
     for hook in list(_ON_INIT):
         hook(_CURRENT)
     return _CURRENT
@@ -396,7 +398,10 @@ def _settings(
 
 
 def _choose_device(env: Environment, backend: str | None) -> tuple[torch.device, str]:
-    """CUDA (this rank's local device, bound now) with NCCL when there is one and no other backend is asked for."""
+    """CUDA (this rank's local device, bound now) with NCCL when there is one and no other backend is asked for;
+    torch's fake backend on the CPU in a dry run."""
+    if env.launcher == "dry-run":
+        return torch.device("cpu"), "fake"
     if torch.cuda.is_available() and backend in (None, "nccl"):
         device = torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
         torch.cuda.set_device(device)
@@ -427,11 +432,13 @@ def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Sto
 
 
 def _join_process_group(env: Environment, device: torch.device, backend: str, timeout: datetime.timedelta) -> bool:
-    """Create the world's process group unless one exists; True when this call created it."""
-    if dist.is_initialized():  # the program's own group, checked by _agree_with_process_group
+    """Create the world's process group unless one exists (the program's own); True when this call created it."""
+    if dist.is_initialized():
         return False
     try:
-        if env.world_size == 1:
+        if env.launcher == "dry-run":
+            join_fake_group(env, timeout)
+        elif env.world_size == 1:
             # One process needs no rendezvous: an in-memory store keeps DeviceMesh, DTensor and DCP working.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
@@ -462,8 +469,7 @@ def _join_process_group(env: Environment, device: torch.device, backend: str, ti
 
 
 def _backend_options(backend: str, timeout: datetime.timedelta) -> object:
-    """Backend options that carry the timeout: DeviceMesh's new groups otherwise get torch's 30-minute default
-    (``dist.new_group`` does not inherit it: docs/torch.md)."""
+    """Backend options that carry the timeout (``dist.new_group`` does not inherit it: docs/torch.md)."""
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
     elif backend == "nccl":
@@ -487,12 +493,9 @@ def _build_mesh(layout: Layout, device: torch.device, backend: str, timeout: dat
 def _make_groups(
     root: DeviceMesh, selections: list[tuple[str, ...]], backend: str, timeout: datetime.timedelta, adopted: bool
 ) -> dict[tuple[str, ...], DeviceMesh]:
-    """The submesh of every selection, flattened now, collectively on all ranks.
-
-    Never lazily on a subset of ranks: a group that some ranks create and others do not hangs. torch reuses
-    a flattened mesh of the same name already on ``root``, and, on an adopted mesh, the default group for
-    the selection of all dims (the world in rank order, by check_rank_grid) when given no backend options.
-    """
+    """The submesh of every selection, flattened now, collectively on all ranks (never lazily on a subset:
+    a group that some ranks create and others do not hangs). torch reuses a flattened mesh of the same name
+    on ``root``, and, on an adopted mesh, the default group for all dims when given no backend options."""
     override = _backend_options(backend, timeout)
     submeshes: dict[tuple[str, ...], DeviceMesh] = {}
     with warnings.catch_warnings():
@@ -516,11 +519,8 @@ def _device_mesh_or_none(mesh: object) -> DeviceMesh | None:
 
 
 def _agree_with_process_group(env: Environment) -> Environment:
-    """The environment of a process group the program created itself, checked against the launcher's.
-
-    Without launcher variables (``init_process_group(rank=..., world_size=..., store=...)``) the group is
-    the only word on rank and size; with them, both must say the same, or every coordinate is wrong.
-    """
+    """The environment of a process group the program created itself, checked against the launcher's: without
+    launcher variables the group is the only word on rank and size; with them, both must say the same."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if env.launcher == "none" and world > 1:
         return replace(env, launcher="torch.distributed", rank=rank, world_size=world, local_world_size=world)
@@ -570,11 +570,11 @@ def _adopt_mesh(
 
 
 def _exchange_nodes(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Every rank's node, learnt with one all-gather on the world at init (never on a hot path).
-
-    A node is the launcher's node index where it gives one (torchrun ``GROUP_RANK``, ``SLURM_NODEID``):
-    two torchrun "nodes" on one machine share a hostname. Otherwise the hostname names the node.
-    """
+    """Every rank's node, learnt with one all-gather on the world at init (never on a hot path): the launcher's
+    node index where it gives one (``GROUP_RANK``, ``SLURM_NODEID``: two torchrun "nodes" on one machine share
+    a hostname), else the hostname."""
+    if env.launcher == "dry-run":  # the planned placement: no one to ask, and no O(world) exchange
+        return node_of(env)
     mine = (env.node_rank, socket.gethostname())
     if env.world_size == 1:
         everyone = [mine]
