@@ -8,7 +8,8 @@ under the same folder (``--dir``, default the system temp folder), into the page
 fsyncs (meshwise fsyncs in a thread of rank 0 after the call returns), and every timed operation starts after an
 ``os.sync()`` so no earlier writeback is pending. Each time is that of the slowest rank; one untimed warm-up
 repeat first (the async stager allocates its buffers then); the ratios are medians over repeats of the ratio
-within one repeat. Final line: ``RESULT save_ratio=... async_block_ratio=... load_s=...``.
+within one repeat. One more, untimed, sync save counts the collectives a save runs. Final line:
+``RESULT save_ratio=... async_block_ratio=... load_s=... dcp_ratio=... sync_collectives=...``.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--mib 128] [--repeats 5] [--warmup 1] [--dir /tmp]
 """
@@ -27,6 +28,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# the torch.distributed calls DCP and meshwise make (DCP calls them as attributes of torch.distributed)
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "gather_object",
+    "scatter_object_list",
+    "barrier",
+)
 
 
 def _width_for(mib: float, layers: int, nprocs: int) -> int:
@@ -177,12 +190,22 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         t = time.perf_counter()
         sync.load(model=fresh, optimizer=fresh_opt)  # from the page cache: the files were just written
         record(rep, "load", _slowest(time.perf_counter() - t))
+    from meshwise.testing import CollectiveCounter
+
+    with CollectiveCounter(COLLECTIVES) as counter:  # untimed: how many collectives one sync save runs
+        sync.save(warmup + repeats + 1, model=model, optimizer=opt)
+    sync.latest_step()
     asyn.close()
     sync.close()
     if topo.rank == 0:
         written["sync"] = _size(sync.step_path(warmup + repeats))
         written["async"] = _size(asyn.step_path(warmup + repeats))
-    return {"times": times, "state_bytes": _total(state_bytes) / topo.world_size, "written": written}
+    return {
+        "times": times,
+        "state_bytes": _total(state_bytes) / topo.world_size,
+        "written": written,
+        "collectives": counter.calls,
+    }
 
 
 def main() -> None:
@@ -235,9 +258,10 @@ def main() -> None:
     block_ratio = statistics.median(a / s for a, s in zip(t["async_call"], t["sync"]))
     dcp_ratio = statistics.median(d / p for d, p in zip(t["dcp"], t["plain"]))
     print(f"DCP alone / torch.save: {dcp_ratio:.2f}; meshwise sync save / DCP alone: {med['sync'] / med['dcp']:.2f}")
+    print(f"collectives of one sync save: {', '.join(out['collectives'])}")
     print(
         f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} load_s={med['load']:.3f} "
-        f"dcp_ratio={dcp_ratio:.2f}"
+        f"dcp_ratio={dcp_ratio:.2f} sync_collectives={len(out['collectives'])}"
     )
 
 

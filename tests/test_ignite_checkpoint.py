@@ -99,12 +99,16 @@ def _save(topo, root: str, refused: str) -> dict:
 
     trainer.add_event_handler(Events.COMPLETED, last)
     trainer.run([0, 1], max_epochs=4)
+    from meshwise.testing import CollectiveCounter
+
     classic = meshwise.Checkpointer(Path(root).parent / "classic", topo)
-    classic.save(8, model=model, optimizer=opt)  # the export also reads the Checkpointer's own checkpoints
+    names = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
+    with CollectiveCounter((*names, "gather_object", "scatter_object_list")) as counter:
+        classic.save(8, model=model, optimizer=opt)  # the export also reads the Checkpointer's own checkpoints
     classic.close()
     saver.close()
     sync_saver.close()
-    out = {"saved": [(p, f) for p, f in best._saved], "last": last.last_checkpoint, "listing": sorted(os.listdir(root))}
+    out = {"saved": [(p, f) for p, f in best._saved], "last": last.last_checkpoint, "collectives": counter.calls}
     out["disk"] = _refused(topo, refused + "-disk", "disk")
     out["model_checkpoint"] = _refused(topo, refused + "-mc", "mc")
     if topo.rank == 0:
@@ -166,6 +170,12 @@ def test_checkpoint_keeps_n_saved_best_by_score_as_meshwise_folders(runs):
     assert kept == sorted([*runs["names"], "last_model_8.pt"])  # epoch 1 removed by n_saved, nothing half-written
     assert (root / runs["names"][0] / "objects" / "trainer.pt").is_file()
     assert sorted(p.name for p in (root / runs["names"][0]).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+
+
+def test_a_save_runs_only_dcps_own_collectives(runs):
+    # DCP's plan gather and scatter, its gather of the write results (with meshwise's reports) and its broadcast
+    expected = ["gather_object", "scatter_object_list", "gather_object", "broadcast_object_list"]
+    assert all(runs["one"][r]["collectives"] == expected for r in range(4))
 
 
 def test_resume_at_tp4_and_in_one_process_is_exact(runs):
