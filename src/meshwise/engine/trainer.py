@@ -15,6 +15,7 @@ from torch import nn
 
 from meshwise.debug import guarded
 from meshwise.debug.replicas import check_replicas, needs_check
+from meshwise.dryrun import note_trainer
 from meshwise.engine.batch import Batch, local_value, ready_batch, row_count, split_rows, take_rows
 from meshwise.engine.ignite_habits import check_model, run_ignite_checks
 from meshwise.errors import MeshwiseError
@@ -144,6 +145,8 @@ class TrainStep:
         if not self.model.training:
             self.model.train()
         batch = ready_batch(batch, self.prepare, self.topology.device, "trainer")
+        if self.scaler is not None and self.loss_count is None:  # a first reference near the global count: fp16 range
+            self.reference = max(1.0, self.count_of(batch) * self.data_parallel)
         micros = split_rows(batch, row_count(batch, self.input_key), self.accumulation_steps)
         self.optimizer.zero_grad(set_to_none=True)
         local_count, loss_sum = 0.0, None
@@ -295,4 +298,5 @@ def create_trainer(
     engine = Engine(step)
     # ignite's own metrics and checkpoint handlers attached to it, and its loader's sampler, checked at each run
     engine.add_event_handler(Events.STARTED, run_ignite_checks, step.topology)
+    note_trainer(engine, optimizer)  # a dry run records its steps and stops it after a few (meshwise.dryrun)
     return engine
