@@ -284,3 +284,25 @@ def test_model_without_entry_point_or_positions():
     model = context_parallel(copy.deepcopy(_model()), topo)
     with pytest.raises(ParallelError, match=r"positions=batch\['positions'\]"):
         model(torch.zeros(1, 8, dtype=torch.long))  # forgot the positions: refused before any collective
+
+
+def test_attention_on_any_order_of_runs():
+    """One rank holding the window's tokens in a shuffled order of runs: equals SDPA forward and backward."""
+    from meshwise.parallel.context import attention, score_elements
+
+    topo = layout_topology({"cp": 1}, 0)
+    order = torch.cat([torch.arange(0, 4), torch.arange(12, 16), torch.arange(5, 12), torch.tensor([4])])
+    for causal in (True, False):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 3, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ref.backward(torch.ones_like(ref))
+        local = [t.detach()[:, :, order].requires_grad_() for t in (q, k, v)]
+        out = attention(*local, order, topo, is_causal=causal)
+        out.backward(torch.ones_like(out))
+        assert (out - ref[:, :, order]).abs().max() <= 1e-12
+        for mine, full in zip(local, (q, k, v)):
+            assert (mine.grad - full.grad[:, :, order]).abs().max() <= 1e-12
+    assert score_elements(order.tolist()) == 4 * 4 + 4 * 16 + 7 * 12 + 1 * 5
+    with pytest.raises(ParallelError, match="not 0..15 once each"):
+        attention(*local, torch.zeros(16, dtype=torch.long), topo)

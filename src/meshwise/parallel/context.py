@@ -2,15 +2,17 @@
 
 Each rank holds the queries, keys and values of its own tokens (e.g. the loader's balanced chunks,
 ``Shard(0, balanced=True)``) and their global positions. Keys and values are all-gathered over the split group
-once per call, put in token order, and each run of consecutive local positions attends to the keys before it
-(causal) with an online-softmax-free exact softmax; backward recomputes the scores and sums the key/value
-gradients back to their owners. torch's ``context_parallel`` is not used (docs/context.md says why).
+once per call and put in token order; each run of consecutive local positions attends to the keys up to its
+end (causal), saving only q, the gathered K/V, the output and the log-sum-exp; backward recomputes the scores
+and sums the key/value gradients back to their owners. torch's ``context_parallel`` is not used
+(docs/context.md says why).
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,7 +22,7 @@ import torch.nn as nn
 from meshwise.errors import ParallelError
 from meshwise.topology import Topology, resolve
 
-__all__ = ["ContextAttention", "attention", "context_parallel", "describe"]
+__all__ = ["ContextAttention", "attention", "context_parallel", "describe", "runs_of", "score_elements"]
 
 ENTRY_POINT = "context_attention"  # the attribute of a model's attention modules that context_parallel sets
 
@@ -38,13 +40,26 @@ def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tens
             f"(got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
             "Shard(0, balanced=True) (or Shard(0)) on the token fields, the same on every rank of the split group"
         )
-    pos = positions.tolist()
+    return perm, runs_of(positions.tolist())
+
+
+def runs_of(positions: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions ``(first local row, a, b)``: the run's rows hold positions ``[a, b)``."""
     runs, start = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((start, pos[start], pos[i - 1] + 1))
+    for i in range(1, len(positions) + 1):
+        if i == len(positions) or positions[i] != positions[i - 1] + 1:
+            runs.append((start, positions[start], positions[i - 1] + 1))
             start = i
-    return perm, runs
+    return runs
+
+
+def score_elements(positions: Sequence[int], causal: bool = True, window: int | None = None) -> int:
+    """Attention scores a rank computes per head and row for its tokens at ``positions`` (of a ``window``).
+
+    Causal: a run of positions ``[a, b)`` scores its ``b - a`` queries against keys ``[0, b)``; else against all.
+    """
+    total = window if window is not None else len(positions)
+    return sum((b - a) * (b if causal else total) for _, a, b in runs_of(list(positions)))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, a: int, b: int, causal: bool, scale: float) -> torch.Tensor:
