@@ -26,6 +26,7 @@ __all__ = [
     "begin",
     "end",
     "join_fake_group",
+    "leave_ignite",
     "node_of",
     "note_checkpoint",
     "note_loader",
@@ -95,6 +96,32 @@ def join_fake_group(env: Environment, timeout: datetime.timedelta) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
+    _tell_ignite(env)
+
+
+def _tell_ignite(env: Environment) -> None:
+    """Give ``ignite.distributed`` the planned placement: its own discovery makes a gloo group (to learn the
+    processes per node) and gathers every hostname, neither of which the fake backend can do."""
+    from ignite.distributed import utils
+    from ignite.distributed.comp_models.native import _NativeDistModel
+
+    class DryRunModel(_NativeDistModel):
+        def _identify_local_rank(self) -> None:
+            self._local_rank = env.local_rank
+
+        def _compute_nproc_per_node(self) -> int:
+            return env.local_world_size
+
+    utils._set_model(DryRunModel(), temporary=False)
+
+
+def leave_ignite() -> None:
+    """Hand ``ignite.distributed`` back to its own discovery after a dry run."""
+    from ignite.distributed import utils
+    from ignite.distributed.comp_models.base import _SerialModel
+
+    utils._set_model(_SerialModel(), temporary=False)
+    utils._need_to_sync = True
 
 
 def node_of(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -121,9 +148,11 @@ def note_loader(loader: Any) -> None:
         _ACTIVE.loaders.append(loader)
 
 
-def note_model(model: Any) -> None:
+def note_model(model: Any) -> Any:
+    """``parallelize`` placed ``model`` (returned, so the call wraps its result)."""
     if _ACTIVE is not None:
         _ACTIVE.models.append(model)
+    return model
 
 
 def note_trainer(engine: Any, optimizer: Any) -> None:
@@ -152,15 +181,24 @@ def note_trainer(engine: Any, optimizer: Any) -> None:
                 "seconds": time.perf_counter() - clock["t0"],
                 "samples": [] if index is None else [int(i) for i in index.tolist()],
                 "shapes": {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)},
-                "bytes_read": getattr(engine.state.dataloader, "bytes_read", 0) - clock["read"],
+                "bytes_read": _planned_bytes(engine.state.dataloader, clock["read"]),
                 "loss": NOT_COMPUTED,
             }
         )
         if len(recorder.trainer_steps) >= recorder.steps:
             engine.terminate()
 
-    engine.add_event_handler(Events.ITERATION_STARTED, started)
+    engine.add_event_handler(Events.GET_BATCH_STARTED, started)  # the batch is read after ITERATION_STARTED
     engine.add_event_handler(Events.ITERATION_COMPLETED, completed)
+
+
+def _planned_bytes(loader: Any, before: int) -> int:
+    """Bytes of this step under the planned read mode (the dry run read the shared batch itself: docs/dryrun.md)."""
+    read = getattr(loader, "bytes_read", 0) - before
+    planned = getattr(loader, "planned_read", "each")
+    if planned == "broadcast" and loader.replica_rank != 0:
+        return 0
+    return -(-read // loader.replica_size) if planned == "scatter" else read
 
 
 def note_checkpoint(root: Any, entry: Any, rank: int, state: dict[str, Any], small: dict[str, Any]) -> bool:
@@ -267,7 +305,7 @@ def _loader_facts(loader: Any) -> dict[str, Any]:
         "data_rank": sampler.data_rank,
         "data_size": sampler.data_size,
         "steps_per_epoch": len(loader),
-        "read": loader.read,
+        "read": getattr(loader, "planned_read", loader.read),
         "parts": parts,
         "bytes_read": loader.bytes_read,
     }

@@ -1,15 +1,25 @@
-"""The ``meshwise`` command line: ``run`` (torchrun with a mesh, SLURM-aware), ``describe`` and ``plot``."""
+"""The ``meshwise`` command line: ``run`` (torchrun with a mesh, SLURM-aware; ``--dry-run`` plays one rank of a
+planned world in this process), ``describe`` and ``plot``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import runpy
 import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 
-from meshwise.environment import slurm_job, slurm_master_addr, slurm_master_port
+from meshwise.environment import (
+    DRY_RUN_VARIABLE,
+    DryRunSpec,
+    dry_run_spec,
+    slurm_job,
+    slurm_master_addr,
+    slurm_master_port,
+)
 from meshwise.errors import MeshwiseError
 from meshwise.layout import Layout
 
@@ -80,6 +90,8 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 def _run(argv: Sequence[str]) -> int:
     from torch.distributed import run as torchrun
 
+    if "--dry-run" in _launcher_tokens(argv):
+        return _dry_run(argv)
     args = parse_run_args(argv)
     if args.mesh is not None:
         world = _planned_world(args)
@@ -105,6 +117,74 @@ def _run(argv: Sequence[str]) -> int:
     finally:
         shutil.rmtree(index, ignore_errors=True)
     return 0
+
+
+def _launcher_tokens(argv: Sequence[str]) -> list[str]:
+    """The tokens before the script (a ``.py`` path or ``-m``): the script's own options are its business."""
+    out = []
+    for token in argv:
+        if token == "-m" or token.endswith(".py"):
+            break
+        out.append(token.split("=", 1)[0])
+    return out
+
+
+def _dry_run_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshwise run --dry-run",
+        description="Run the script unchanged in this one process as rank --rank of a world of --world-size on "
+        "torch's fake backend (no communication), then print what that rank holds, reads and would write "
+        "(docs/dryrun.md).",
+    )
+    parser.add_argument("--dry-run", action="store_true", required=True)
+    parser.add_argument("--world-size", type=int, required=True, help="ranks of the planned job")
+    parser.add_argument("--rank", type=int, required=True, help="the rank this process plays")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="ranks per node (default min(8, world))")
+    parser.add_argument("--dry-run-steps", type=int, default=2, help="trainer steps to run (default 2)")
+    parser.add_argument("--report-json", default=None, help="also write the report's facts to this JSON file")
+    parser.add_argument("--mesh", default=None, help="mesh sizes, e.g. dp=-1,tp=2 (exported as MESHWISE_MESH)")
+    parser.add_argument("--roles", default=None, help="roles of dims without a default, e.g. space=split")
+    parser.add_argument("--timeout", default=None, type=float, help="collective timeout in seconds")
+    parser.add_argument("training_script", help="the script, run unchanged")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _dry_run(argv: Sequence[str]) -> int:
+    """``meshwise run --dry-run``: the script as one rank of a planned world; the report on stdout."""
+    from meshwise import dryrun, topology
+
+    args = _dry_run_parser().parse_args(list(argv))
+    per_node = args.nproc_per_node or min(8, max(args.world_size, 1))
+    spec = DryRunSpec(args.rank, args.world_size, per_node, args.dry_run_steps)
+    os.environ[DRY_RUN_VARIABLE] = spec.text()
+    dry_run_spec()  # a rank outside the world fails here, as under a real launcher
+    if args.mesh is not None:
+        Layout.resolve(args.mesh, args.world_size, args.roles)  # a bad mesh fails here, as before a real launch
+        os.environ["MESHWISE_MESH"] = args.mesh
+    for variable, value in (("MESHWISE_ROLES", args.roles), ("MESHWISE_TIMEOUT", args.timeout)):
+        if value is not None:
+            os.environ[variable] = str(value)
+    recorder = dryrun.begin(spec.steps)
+    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    sys.argv = [args.training_script, *args.training_script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.training_script)))
+    code = 0
+    try:
+        runpy.run_path(args.training_script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv, sys.path = saved_argv, saved_path
+        topology.shutdown()  # a script that did not call meshwise.shutdown() leaves the fake group here
+        dryrun.end()
+        dryrun.leave_ignite()
+        os.environ.pop(DRY_RUN_VARIABLE, None)
+    print(recorder.report(), flush=True)
+    if args.report_json:
+        with open(args.report_json, "w") as f:
+            json.dump(recorder.facts(), f, indent=1)
+    return code
 
 
 def _options_given(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser) -> set[str]:
@@ -192,6 +272,7 @@ def _describe(argv: Sequence[str]) -> int:
     parser.add_argument("--nproc-per-node", type=int, default=None, help="processes on each node")
     parser.add_argument("--nnodes", type=int, default=None, help="number of nodes (world size = nnodes x nproc)")
     parser.add_argument("--roles", default=None, help="roles of dims without a default, e.g. space=split")
+    parser.add_argument("--all-ranks", action="store_true", help="a row per rank (the default up to 64 ranks)")
     args = parser.parse_args(list(argv))
     world, per_node = args.world_size, args.nproc_per_node
     if world is None and args.nnodes is not None and per_node is not None:
@@ -203,7 +284,8 @@ def _describe(argv: Sequence[str]) -> int:
     if per_node is not None and (per_node < 1 or world % per_node):
         parser.error(f"--world-size {world} is not a whole number of nodes of --nproc-per-node {per_node}")
     layout = Layout.resolve(args.mesh, world, args.roles)
-    print(layout.table([r // per_node for r in range(world)] if per_node else None))
+    nodes = [r // per_node for r in range(world)] if per_node else None
+    print(layout.table(nodes) if args.all_ranks or world <= 64 else layout.summary(nodes))
     return 0
 
 
@@ -228,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "usage: meshwise {run,describe,plot} ...\n\n"
             "  run       torchrun a script with a mesh:  meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 train.py\n"
+            "            or play one rank of a big job:  meshwise run --dry-run --world-size 1024 --rank 5 "
+            "--mesh dp=-1,tp=8 train.py\n"
             "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
             "--nproc-per-node 4\n"
             "  plot      draw a run's curves:            meshwise plot runs/gpt",

@@ -39,6 +39,7 @@ from meshwise.checkpoint.state import (
 )
 from meshwise.checkpoint.validation import check_keys, read_record
 from meshwise.checkpoint.writer import CommitWriter, cached_planner, drop_plans, failure_text, plan_key, stage
+from meshwise.dryrun import note_checkpoint
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
 
@@ -264,6 +265,8 @@ class Checkpointer:
         The folder is prepared, the small files written and the checkpoint published inside DCP's own steps
         (:class:`~meshwise.checkpoint.writer.CommitWriter`): a save runs DCP's collectives and no others.
         """
+        if note_checkpoint(self.root, entry, self.topology.rank, state, small):
+            return  # a dry run records what this rank would write, and writes nothing (meshwise.dryrun)
         tmp = self.folder.tmp_path(entry)
         background = self.async_save and bool(state)
         prepare: Callable[[], None] | None = lambda: self._prepare(entry)  # noqa: E731

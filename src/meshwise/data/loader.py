@@ -22,6 +22,7 @@ import torch.distributed as dist
 from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
+from meshwise.dryrun import active, note_loader
 from meshwise.errors import DataError, DataWarning
 from meshwise.topology import Topology, resolve
 
@@ -244,7 +245,9 @@ class MeshDataLoader:
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1
         self.replica_rank = topology.coordinate(replica) if replica else 0
-        self.read = read if self.replica_size > 1 else "each"
+        self.planned_read = read if self.replica_size > 1 else "each"
+        # a dry run has no peers to hand the shared batch over: each replica reads it (meshwise.dryrun)
+        self.read = self.planned_read if active() is None else "each"
         self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
@@ -254,6 +257,7 @@ class MeshDataLoader:
         self.multiprocessing_context = multiprocessing_context
         self._reader = _BatchReader(dataset, self.parts)
         self.bytes_read = 0
+        note_loader(self)  # a dry run reports this loader's slice and parts (meshwise.dryrun)
         self._pool: list[np.ndarray] = []
         self._gathered: list[torch.Tensor] | None = None
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshwise.dryrun import note_model
 from meshwise.errors import ParallelError
 from meshwise.parallel.pipeline import Cut, check_schedule, pipeline_of, split_model, stage_plan
 from meshwise.parallel.precision import (
@@ -309,7 +310,7 @@ def _place(
     kwargs = dict(fsdp_kwargs or {})
     if policy.mp_policy() is not None:
         kwargs["mp_policy"] = policy.mp_policy()
-    return _apply_data_parallel(model, topology, dp, units, kwargs)
+    return note_model(_apply_data_parallel(model, topology, dp, units, kwargs))  # a dry run reports its shapes
 
 
 def _apply_data_parallel(
