@@ -38,7 +38,7 @@ from meshwise.checkpoint.state import (
     warn_differences,
 )
 from meshwise.checkpoint.validation import check_keys, read_record
-from meshwise.checkpoint.writer import CommitWriter, cached_planner, drop_plans, failure_text, plan_key, stage
+from meshwise.checkpoint.writer import CommitWriter, RecordingPlanner, SavedPlans, failure_text, replay_save, stage
 from meshwise.dryrun import note_checkpoint
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
@@ -121,7 +121,7 @@ class Checkpointer:
         self._group = None
         self._worker: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple, Any] = {}  # async staging buffers, kept from save to save
-        self._plan_key = plan_key()
+        self._plans: SavedPlans | None = None  # what the last full save planned: later saves replay it
         self._root_checked = False  # rank 0 accepted root once: later async saves prepare in the background
         if self.async_save and dist.is_initialized():
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
@@ -282,26 +282,37 @@ class Checkpointer:
             files=files,
             report=report,
             publish=lambda reports: self._publish(entry, tmp, meta, reports, defer=not background),
+            check=self._check_last,
         )
         if background:
             self._start_async(entry, tmp, state, writer)
         else:
             self._save_now(entry, tmp, state, writer)
 
-    def _planner(self) -> Any:
-        """DCP's default planner, reusing this checkpointer's last plan when the state's layout did not change."""
-        return cached_planner(self._plan_key)
+    def _dcp_save(self, state: dict[str, Any], writer: CommitWriter, group: Any) -> None:
+        """Replay the last full save's plans when no rank's layout changed, else a full ``dcp.save`` (recorded)."""
+        import torch.distributed.checkpoint as dcp
+
+        if self._plans is not None and replay_save(state, writer, self._plans, group, self.topology.world_size):
+            return
+        planner, self._plans = RecordingPlanner(), None
+        dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
+        self._plans = planner.planned
 
     def _prepare(self, entry: int | str) -> None:
         """Rank 0, inside DCP's planning: raise a deferred error of the last save, then make the empty folder.
 
         save() already waited for this rank's background work; the finalizer is joined again for a direct caller.
         """
+        self._check_last()
+        self.folder.prepare(entry, (OBJECTS_DIR, RNG_DIR))
+
+    def _check_last(self) -> None:
+        """Rank 0: raise the error rank 0's finalizer had with the last save (so every rank hears it)."""
         self.folder.join()
         error = self.folder.take_error()
         if error is not None:
             raise error
-        self.folder.prepare(entry, (OBJECTS_DIR, RNG_DIR))
 
     def _publish(self, entry: int | str, tmp: Path, meta: dict[str, Any], reports: list[dict], *, defer: bool) -> None:
         """Rank 0, once every rank wrote its files: the record, the rename, then ``latest`` (maybe deferred)."""
@@ -357,7 +368,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         try:
-            dcp.save(state, storage_writer=writer, planner=self._planner())
+            self._dcp_save(state, writer, None)
         except (Exception, dcp.CheckpointException) as exc:  # DCP's is a BaseException
             raise CheckpointError(
                 f"saving checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
@@ -373,10 +384,9 @@ class Checkpointer:
         self._pending = self._worker.submit(self._write_async, step, tmp, staged, writer)
 
     def _write_async(self, step: int | str, tmp: Path, staged: dict[str, Any], writer: CommitWriter) -> None:
-        import torch.distributed.checkpoint as dcp
 
         try:  # DCP writes, syncs and (rank 0, in its finish step) publishes the folder
-            dcp.save(staged, storage_writer=writer, planner=self._planner(), process_group=self._group)
+            self._dcp_save(staged, writer, self._group)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
             self._pending_error = CheckpointError(
                 f"async save of checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
@@ -412,7 +422,6 @@ class Checkpointer:
             self._worker.shutdown()
             self._worker = None
         self._buffers.clear()
-        drop_plans(self._plan_key)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -247,6 +247,14 @@ class CheckpointFolder:
         if final.exists():  # the same step saved again (e.g. after resuming from an older one)
             trash.append(self._to_trash(final))
         os.rename(tmp, final)
+        if isinstance(step, int):
+            # stale folders of crashed saves, moved aside now: the caller publishes before any rank may start its
+            # next save, so none of these is a save in progress (the thread below runs while one may be)
+            trash += [
+                self._to_trash(e)
+                for e in self.root.iterdir()
+                if _TMP_DIR.match(e.name) and e.is_dir() and ".trash-" not in e.name
+            ]
         if defer:
             self._finalizer = threading.Thread(
                 target=self._finalize, args=(step, final, trash, True), name=f"meshwise-ckpt-latest-{step}"
@@ -317,11 +325,8 @@ class CheckpointFolder:
         self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
 
     def _prune(self, newest: int) -> list[Path]:
-        """Retention and stale-folder cleaning after a successful commit; returns the folders to delete."""
-        trash = []
-        for entry in self.root.iterdir():
-            if _TMP_DIR.match(entry.name) and entry.is_dir() and ".trash-" not in entry.name:
-                trash.append(self._to_trash(entry))
+        """Retention after a successful commit; returns the folders to delete."""
+        trash: list[Path] = []
         if self.keep_last is None and self.keep_best is None:
             return trash
         records = {}

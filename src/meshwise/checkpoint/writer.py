@@ -10,12 +10,13 @@ in DCP's finish step, whose outcome DCP broadcasts to every rank.
 from __future__ import annotations
 
 import copy
-import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -27,7 +28,7 @@ from torch.futures import Future
 from meshwise.checkpoint.state import write_files
 from meshwise.errors import CheckpointError, MeshwiseError
 
-__all__ = ["REPORT", "CommitWriter", "cached_planner", "drop_plans", "failure_text", "plan_key", "stage"]
+__all__ = ["REPORT", "CommitWriter", "RecordingPlanner", "SavedPlans", "failure_text", "replay_save", "stage"]
 
 REPORT = "__meshwise_report__"  # the write result that carries a rank's report; never reaches .metadata
 
@@ -37,7 +38,8 @@ class CommitWriter(FileSystemWriter):
 
     ``prepare`` (rank 0, or None when already done) makes the folder; ``files`` are this rank's small files (path →
     object for ``torch.save``); ``report`` is this rank's ``{"error", "digests"}``; ``publish(reports)`` (rank 0)
-    commits once every rank's files are written.
+    commits once every rank's files are written. ``check`` (rank 0) raises an error left by the last save; a
+    replayed save (:func:`replay_save`) calls it and :meth:`make_folder` instead of ``prepare``.
     """
 
     def __init__(
@@ -49,10 +51,17 @@ class CommitWriter(FileSystemWriter):
         files: dict[Path, Any],
         report: dict[str, Any],
         publish: Callable[[list[dict[str, Any]]], None],
+        check: Callable[[], None],
     ) -> None:
         super().__init__(str(tmp), sync_files=sync_files)
         self.tmp = tmp
         self._prepare, self._files, self._report, self._publish = prepare, files, report, publish
+        self.check = check
+
+    def make_folder(self) -> None:
+        """Every rank, in a replayed save: the folder and its subfolders (the root was accepted by a full save)."""
+        for sub in {p.parent for p in self._files} | {self.tmp}:
+            sub.mkdir(parents=True, exist_ok=True)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan  # no mkdir here: the folder is rank 0's to make, once it has accepted the root
@@ -98,35 +107,91 @@ def failure_text(exc: BaseException) -> str:
     return "; ".join(f"rank {r}: {t}" for r, t in texts.items())
 
 
-_keys = itertools.count()
-_CACHES = (
-    "_cached_save_plan",
-    "_cached_all_plans",
-    "_cached_global_plan",
-    "_cached_metadata",
-    "_cached_final_save_plan",
-)
+@dataclass
+class SavedPlans:
+    """What the last full DCP save of one checkpointer planned: this rank's local and final plan, the global
+    metadata (rank 0). A save whose local plans all equal ``local`` can replay them without planning."""
+
+    local: SavePlan | None = None
+    final: SavePlan | None = None
+    metadata: Metadata | None = None
 
 
-def plan_key() -> str:
-    """A key of DCP's plan cache of one's own (DCP's default key is the planner's class name, shared by all)."""
-    return f"meshwise-checkpointer-{next(_keys)}"
+class RecordingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, keeping what it planned in ``planned`` (a :class:`SavedPlans`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned = SavedPlans()
+
+    def create_local_plan(self) -> SavePlan:
+        self.planned.local = super().create_local_plan()
+        return self.planned.local
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, self.planned.metadata = super().create_global_plan(all_plans)
+        return plans, self.planned.metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.planned.final = super().finish_plan(new_plan)
+        return self.planned.final
 
 
-def cached_planner(key: str) -> DefaultSavePlanner:
-    """DCP's default save planner with plan caching under ``key``: a save of the same layout as the last one skips
-    planning (DCP compares each rank's plan with its cached one and only sends what changed)."""
-    planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = key  # a cache per checkpointer: never a plan of another mesh or process group
-    return planner
+def _error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, MeshwiseError) else f"{type(exc).__name__}: {exc}"
 
 
-def drop_plans(key: str) -> None:
-    """Forget the plans cached under ``key`` (DCP keeps them in class attributes of ``SavePlanner``)."""
-    from torch.distributed.checkpoint.planner import SavePlanner
+def replay_save(state: dict[str, Any], writer: CommitWriter, plans: SavedPlans, group: Any, world: int) -> bool:
+    """Save ``state`` with the plans of the last full save, if no rank's layout changed: False when one did (nothing
+    is committed; run a full ``dcp.save``, which plans again). Raises :class:`CheckpointError` on every rank.
 
-    for name in _CACHES:
-        getattr(SavePlanner, name, {}).pop(key, None)
+    Each rank writes with its cached final plan, then one gather brings every rank's write results and report to
+    rank 0, which writes ``.metadata`` (the cached global metadata with this save's storage data) and publishes,
+    and one broadcast of a code tells every rank the outcome: one gather and one broadcast instead of DCP's two
+    gathers, its scatter and its broadcast of pickled objects.
+    """
+    coordinator = world == 1 or dist.get_rank(group) == 0
+    planner = DefaultSavePlanner()
+    try:
+        planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=coordinator)
+        if planner.create_local_plan() != plans.local:
+            payload: tuple = ("changed",)
+        else:
+            if coordinator:
+                writer.check()
+            writer.make_folder()
+            writer.set_up_storage_writer(coordinator, rank=dist.get_rank(group) if world > 1 else 0)
+            payload = ("ok", writer.write_data(planner.finish_plan(plans.final), planner).wait())
+    except Exception as exc:  # noqa: BLE001 - reaches rank 0 with the others' results
+        payload = ("error", _error_text(exc))
+    gathered: list[Any] | None = [None] * world if coordinator else None
+    if world > 1:
+        dist.gather_object(payload, gathered, dst=dist.get_global_rank(group, 0) if group else 0, group=group)
+    else:
+        gathered = [payload]
+    code, text = 0, ""
+    if coordinator:
+        errors = [f"rank {r}: {p[1]}" for r, p in enumerate(gathered) if p[0] == "error"]
+        if errors:
+            code, text = 2, "; ".join(errors)
+        elif any(p[0] == "changed" for p in gathered):
+            code = 1
+        else:
+            try:
+                writer.finish(plans.metadata, [p[1] for p in gathered])
+            except Exception as exc:  # noqa: BLE001
+                code, text = 2, _error_text(exc)
+    if world > 1:
+        box = torch.tensor([code])
+        dist.broadcast(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        code = int(box.item())
+        if code == 2:  # only a failure pays for its text
+            words = [text]
+            dist.broadcast_object_list(words, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+            text = words[0]
+    if code == 2:
+        raise CheckpointError(text)
+    return code == 0
 
 
 def _into(tensor: torch.Tensor, buffers: dict[tuple, Any], key: tuple) -> torch.Tensor:
