@@ -9,6 +9,10 @@ Pipeline stages (the blocks cut evenly; the first stage reads only inputs, the l
 
     meshwise run --nproc-per-node 8 --mesh pp=2,dp=2,tp=2 examples/gpt/train.py --schedule 1F1B --microbatches 4
 
+Context parallel (a cp dim: each rank reads and attends over two balanced chunks of every window):
+
+    meshwise run --nproc-per-node 4 --mesh dp=2,cp=2 examples/gpt/train.py --steps 250
+
 Resume that checkpoint on another mesh (the checkpoint reshards on load) for a few more steps:
 
     meshwise run --nproc-per-node 4 --mesh tp=4 examples/gpt/train.py --resume runs/gpt --steps 30
@@ -37,10 +41,11 @@ from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan
 from prepare import prepare
 
 import meshwise
-from meshwise.data import ArrayDataset, mesh_dataloader
+from meshwise.data import ArrayDataset, Shard, mesh_dataloader
 from meshwise.engine import PeriodicEvaluation, ProgressBar, RunLogger, TimeBudget
 from meshwise.errors import DataError, MeshwiseError
 from meshwise.metrics import MeanLoss
+from meshwise.parallel.context import context_parallel, describe
 from meshwise.plot import plot_run
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "d_model")
@@ -192,7 +197,9 @@ def evaluation_hooks(pp: int) -> dict:
     if pp > 1:  # the schedule runs the stages; select runs on the last one
         return {"select": lambda logits, batch: (per_token_loss(logits, batch["target"]),)}
     return {
-        "forward": lambda m, batch: per_token_loss(m(batch["input"]), batch["target"]),
+        "forward": lambda m, batch: per_token_loss(
+            m(batch["input"], positions=batch.get("positions")), batch["target"]
+        ),
         "select": lambda token_losses, batch: (token_losses,),
     }
 
@@ -287,6 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     pp = topo.size(topo.stage_dims) if topo.stage_dims else 1
     # Pipeline stages read only what they use: the first stage the inputs, the last the targets.
     stages = {"stage_fields": {"first": ["input"], "last": ["target"]}} if pp > 1 else {}
+    # Context parallel (a split dim, e.g. cp): each rank reads chunks i and 2k-1-i of every window, and the batch
+    # carries their positions (docs/context.md).
+    cp = bool(topo.split_dims)
+    if cp:
+        stages["parts"] = {"input": Shard(0, balanced=True), "target": Shard(0, balanced=True)}
     train_loader = mesh_dataloader(
         train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read, **stages
     )
@@ -297,6 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
     # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
     model = GPT(cfg)
     n_params = model.num_parameters()
+    if cp:  # its attention modules attend across the split ranks
+        context_parallel(model, topo)
     plan = tp_plan(model) if tp > 1 else None  # without a tensor-parallel dim (or of size 1): data parallel only
     model = meshwise.parallelize(
         model,
@@ -331,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         loss_weight="tokens",
         step_context=lambda: loss_context(topo),
         prepare=as_token_ids,
+        forward=(lambda m, b: m(b["input"], positions=b["positions"])) if cp else None,
     )
     evaluator = meshwise.create_evaluator(
         model,
@@ -356,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"{'resume' if args.resume else 'train'} at {mesh_name} from step {start}: GPT {cfg.n_layer} layers x "
             f"d_model {cfg.d_model} ({n_params / 1e6:.2f}M params); {meta['train_tokens']:,} train tokens, "
-            f"{len(val_ds)} held-out windows of {cfg.block_size}; global batch {args.batch_size}",
+            f"{len(val_ds)} held-out windows of {cfg.block_size}; global batch {args.batch_size}"
+            + (f"; attention: {describe(model)}" if cp else ""),
             flush=True,
         )
 
