@@ -134,7 +134,18 @@ def _scenarios(topo) -> dict:
     out["fp16_moves_after"] = min(_diff(p[4], p[3]), _diff(p[6], p[5]))
     out["fp16_losses_finite"] = all(torch.isfinite(torch.tensor(fp16["losses"])))
     out["fp16_vs_fp32"] = abs(fp16["losses"][0] - fp32["losses"][0])
-    # the injected inf reached one rank's gradient shard only: the others skipped because the world agreed
+    # the same injection by hand: it reaches one rank's gradient shard only, so the others skip on the world's word
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import meshwise
+
+    model = meshwise.parallelize(gpt.GPT(gpt.GPTConfig(**TINY)), topo, tp_plan=gpt.tp_plan, fsdp_units=gpt.Block)
+    x, y = _batches(1)[0]
+    with loss_parallel():
+        gpt.token_loss(_overflow_once(topo, 1)(model, {"input": x[:4]}), y[:4]).backward()
+    bad = torch.tensor([float(any(not p.grad.to_local().isfinite().all() for p in model.parameters()))])
+    dist.all_reduce(bad)
+    out["ranks_with_inf"] = bad.item()
     mem = memory_per_rank(plain["model"], plain["opt"])
     total = torch.tensor([mem.params], dtype=torch.float64)
     dist.all_reduce(total)
@@ -142,6 +153,7 @@ def _scenarios(topo) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_checkpointing_bf16_fp16_at_dp2_tp2():
     results = run_distributed(_scenarios, 4, mesh={"dp": 2, "tp": 2}, timeout=400)
     print({k: v for k, v in results[0].items() if not isinstance(v, set)})
@@ -153,6 +165,7 @@ def test_checkpointing_bf16_fp16_at_dp2_tp2():
         skips, clean = r["fp16_skips"], r["fp16_clean_skips"]
         assert skips[5] - skips[4] == 1 and clean[5] - clean[4] == 0 and skips[4] == clean[4], r  # step 6: skipped
         assert r["fp16_scales"][5] == r["fp16_scales"][4] / 2, r
+        assert r["ranks_with_inf"] == 1, r
         assert r["fp16_skip_unchanged"] == 0.0 and r["fp16_moves_after"] > 0, r
         assert r["fp16_losses_finite"] and r["fp16_vs_fp32"] < 5e-2, r
     print({k: v for k, v in results[0].items() if not isinstance(v, set)})
