@@ -79,6 +79,7 @@ class PipelineTrainStep(TrainStep):
         self._part: Batch = {}
         self._rows = 0
         self._counts: list[float] = []
+        self._selected: list[tuple[dict[str, Any], slice | torch.Tensor | None, bool]] = []
         self._losses: dict[int, torch.Tensor] = {}
 
     def backward(self, micro: Batch, last: bool) -> tuple[float, torch.Tensor | None]:
@@ -93,7 +94,9 @@ class PipelineTrainStep(TrainStep):
         if pipe.is_last:
             if self.target_key is not None:
                 stage_input(micro, self.target_key, pipe, "target")
-            self._counts = [self._count(i) for i in range(n)]
+            # each micro-batch's valid rows, selected once a step: the loss of micro-batch i reuses them
+            self._selected = [self._select(i) for i in range(n)]
+            self._counts = [0.0 if empty else self.count_of(part) for part, _, empty in self._selected]
             # the schedule splits this like the inputs: each micro-batch's loss learns which rows it has
             target = torch.arange(rows, device=topo.device)
         schedule = pipe.schedule(rows, self._stage_loss)
@@ -117,15 +120,11 @@ class PipelineTrainStep(TrainStep):
         keep: slice | torch.Tensor = slice(0, kept) if bool(valid[:kept].all()) else valid  # padding comes last
         return take_rows(part, size, keep), keep, False
 
-    def _count(self, i: int) -> float:
-        micro, _, empty = self._select(i)
-        return 0.0 if empty else self.count_of(micro)
-
     def _stage_loss(self, output: Any, rows: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch (``rows``: its row positions), scaled for backward."""
         size = self._rows // self.pipeline.microbatches
         i = int(rows[0]) // size
-        micro, keep, _ = self._select(i)
+        micro, keep, _ = self._selected[i]
         if keep is not None:
             output = _take_output(output, size, keep)
         loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
