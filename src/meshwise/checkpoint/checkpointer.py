@@ -33,6 +33,7 @@ from meshwise.checkpoint.state import (
     read_object,
     record,
     rederive_rng,
+    reshard_message,
     rng_state,
     set_rng_state,
     warn_differences,
@@ -462,7 +463,7 @@ class Checkpointer:
                 f"({mesh_text(mesh)})"
             )
         else:
-            message = self._reshard_message(number, meta, saved_mesh, dcp_names, kinds, rng)
+            message = reshard_message(self.root, self.topology, number, meta, dcp_names, kinds, rng)
         if self.topology.rank == 0:
             _log.log(logging.INFO if self.verbose else logging.DEBUG, message)
         self._last_saved = number
@@ -574,25 +575,3 @@ class Checkpointer:
             error = f"{file}: {type(exc).__name__}: {exc}"
         self._agree(error, "restoring the RNG states")
         return "restored"
-
-    def _reshard_message(
-        self,
-        step: int,
-        meta: Mapping[str, Any],
-        saved_mesh: Mapping[str, int],
-        dcp_names: list[str],
-        kinds: Mapping[str, str],
-        rng: str,
-    ) -> str:
-        parts = [
-            f"meshwise checkpoint: loaded step-{step} from {self.root}, resharded from mesh {mesh_text(saved_mesh)} "
-            f"(world {meta.get('world_size')}) to {mesh_text(self.topology.sizes)} (world {self.topology.world_size})"
-        ]
-        if dcp_names:
-            parts.append(f"DCP resharded {', '.join(dcp_names)}")
-        others = [n for n, k in kinds.items() if k == "state"]
-        if others:
-            parts.append(f"{', '.join(others)} loaded from rank 0's global copy")
-        if rng == "re-derived":
-            parts.append("RNG streams re-derived from rng_seed + step + data rank")
-        return "; ".join(parts)

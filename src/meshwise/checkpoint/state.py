@@ -39,6 +39,7 @@ __all__ = [
     "read_object",
     "record",
     "rederive_rng",
+    "reshard_message",
     "rng_state",
     "set_rng_state",
     "warn_differences",
@@ -292,3 +293,28 @@ def record(
         "rng_seed": rng_seed,
         "dcp": use_dcp,
     }
+
+
+def reshard_message(
+    root: Any,
+    topo: Any,
+    step: int,
+    meta: Mapping[str, Any],
+    dcp_names: list[str],
+    kinds: Mapping[str, str],
+    rng: str,
+) -> str:
+    """What a load at another mesh than the saved one did, in one line (logged by rank 0)."""
+    saved_mesh = dict(zip(meta["mesh"]["dims"], meta["mesh"]["sizes"]))
+    parts = [
+        f"meshwise checkpoint: loaded step-{step} from {root}, resharded from mesh {mesh_text(saved_mesh)} "
+        f"(world {meta.get('world_size')}) to {mesh_text(topo.sizes)} (world {topo.world_size})"
+    ]
+    if dcp_names:
+        parts.append(f"DCP resharded {', '.join(dcp_names)}")
+    others = [n for n, k in kinds.items() if k == "state"]
+    if others:
+        parts.append(f"{', '.join(others)} loaded from rank 0's global copy")
+    if rng == "re-derived":
+        parts.append("RNG streams re-derived from rng_seed + step + data rank")
+    return "; ".join(parts)
