@@ -46,6 +46,7 @@ from meshwise.engine import PeriodicEvaluation, ProgressBar, RunLogger, TimeBudg
 from meshwise.errors import DataError, MeshwiseError
 from meshwise.metrics import MeanLoss
 from meshwise.parallel.context import context_parallel, describe
+from meshwise.parallel.precision import memory_per_rank
 from meshwise.plot import plot_run
 
 MODEL_KEYS = ("block_size", "n_layer", "n_head", "d_model")
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opt.add_argument("--weight-decay", type=float, default=0.1)
     opt.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0: off)")
     opt.add_argument("--seed", type=int, default=0)
+    opt.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (fp32 master weights; docs/precision.md)")
+    opt.add_argument("--ac", default="none", help="activation checkpointing: none, full, k (every k-th block) or names")
+    opt.add_argument("--compile", action="store_true", help="torch.compile each block")
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--eval-every", type=int, default=50, help="evaluate every N steps (and at start and end)")
     ev.add_argument("--eval-samples", type=int, default=500, help="held-out windows to evaluate (0: all)")
@@ -322,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
         schedule=args.schedule,
         microbatches=args.microbatches,
         stages_per_rank=args.stages_per_rank,
+        precision=args.precision,
+        activation_checkpointing=None if args.ac == "none" else int(args.ac) if args.ac.isdigit() else args.ac,
+        compile=args.compile,
     )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -375,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
             + (f"; attention: {describe(model)}" if cp else ""),
             flush=True,
         )
+        print(f"{args.precision}, rank 0 holds {memory_per_rank(model, optimizer).describe()}", flush=True)
 
     # ---- handlers: each step's time and loss, the scheduler, the log, held-out evaluation, bar and time budget
     phase = {"train_s": 0.0, "t0": 0.0, "losses": []}
