@@ -136,7 +136,7 @@ def main() -> None:
     one = one_process_state()
     plain, ac = saved_activation_bytes(False), saved_activation_bytes(True)
     t0 = time.perf_counter()
-    r = run_distributed(on_mesh, 4, [args.steps], mesh={"dp": 4}, timeout=900)[0]
+    r = run_distributed(on_mesh, 4, args.steps, mesh={"dp": 4}, timeout=900)[0]
     mesh_s = time.perf_counter() - t0
     state_ratio = r["state_max_rank"] / one
     gaps = [abs(a - b) for a, b in zip(r["bf16"], r["fp32"])]
