@@ -44,13 +44,19 @@ def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tens
 
 
 def runs_of(positions: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive positions ``(first local row, a, b)``: the run's rows hold positions ``[a, b)``."""
+    """Runs of consecutive positions ``(first local row, a, b)``: the run's rows hold positions ``[a, b)``.
+
+    Runs are cut to the length of the shortest one: a run scores its queries against keys up to its end, so a
+    long run computes a large masked triangle. With balanced parts the middle rank's two chunks touch; cut
+    apart, every rank scores the same ``(2k+1)`` chunk-sized blocks.
+    """
     runs, start = [], 0
     for i in range(1, len(positions) + 1):
         if i == len(positions) or positions[i] != positions[i - 1] + 1:
             runs.append((start, positions[start], positions[i - 1] + 1))
             start = i
-    return runs
+    cut = min((b - a for _, a, b in runs), default=0)
+    return [(s + j, a + j, min(a + j + cut, b)) for s, a, b in runs for j in range(0, b - a, cut)]
 
 
 def score_elements(positions: Sequence[int], causal: bool = True, window: int | None = None) -> int:
