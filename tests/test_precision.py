@@ -239,5 +239,19 @@ def test_bad_options_fail_before_any_collective(monkeypatch, tmp_path):
         tensors = len(list(model.parameters()))
         assert after.optimizer == 8 * n + 4 * tensors and not after.optimizer_estimated  # + a float32 step each
         assert "optimizer state" in after.describe()
+
+        # no FSDP2 unit in one process: bf16 and fp16 run the forward under autocast, weights stay float32
+        losses = {}
+        for precision in ("fp32", "bf16", "fp16"):
+            torch.manual_seed(0)
+            model = meshwise.parallelize(gpt.GPT(cfg), topo, precision=precision)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            trainer = meshwise.create_trainer(model, opt, gpt.token_loss, topo, loss_weight="tokens")
+            data = [{"input": x, "target": y} for x, y in _batches(3)]
+            losses[precision] = trainer.run(data, max_epochs=1).output
+            assert {p.dtype for p in model.parameters()} == {torch.float32}
+            assert model(x).dtype == torch.float32  # the loss sees float32 logits
+        assert getattr(trainer.state, "skipped_steps", None) == 0
+        assert abs(losses["bf16"] - losses["fp32"]) < 2e-2 and abs(losses["fp16"] - losses["fp32"]) < 2e-2, losses
     finally:
         meshwise.shutdown()

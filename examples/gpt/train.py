@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
             + (f"; attention: {describe(model)}" if cp else ""),
             flush=True,
         )
-        print(f"{args.precision}, rank 0 holds {memory_per_rank(model, optimizer).describe()}", flush=True)
+        print(f"precision {args.precision}; rank 0 holds {memory_per_rank(model, optimizer).describe()}", flush=True)
 
     # ---- handlers: each step's time and loss, the scheduler, the log, held-out evaluation, bar and time budget
     phase = {"train_s": 0.0, "t0": 0.0, "losses": []}

@@ -308,7 +308,7 @@ class MemoryPerRank:
         mib = 1024.0**2
         est = " (estimated)" if self.optimizer_estimated else ""
         return (
-            f"per rank: parameters {self.params / mib:.2f} MiB, gradients {self.grads / mib:.2f} MiB, "
+            f"parameters {self.params / mib:.2f} MiB, gradients {self.grads / mib:.2f} MiB, "
             f"optimizer state {self.optimizer / mib:.2f} MiB{est}, total {self.total / mib:.2f} MiB"
         )
 
