@@ -120,7 +120,7 @@ def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
     d = facts[("domain", 1024, 1023)]
     assert d["topology"]["coordinates"] == {"dp": 511, "domain": 1}
     part = d["loaders"][0]["parts"]
-    assert all(p["shape"][-2] < p["sample_shape"][-2] for p in part.values())  # half of each field (+ halo)
+    assert all(p["shape"][-1] < p["sample_shape"][-1] for p in part.values())  # half of each field (+ halo)
 
 
 def test_bad_input_fails_as_a_real_launch(capsys: pytest.CaptureFixture[str]) -> None:
