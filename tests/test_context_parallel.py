@@ -304,6 +304,8 @@ def test_attention_on_any_order_of_runs():
         for mine, full in zip(local, (q, k, v)):
             assert (mine.grad - full.grad[:, :, order]).abs().max() <= 1e-12
     assert score_elements([0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]) == 4 * (4 + 16 + 8 + 12)
-    assert score_elements([0, 1, 6, 7, 2, 3, 4, 5]) == 2 * (2 + 8 + 4 + 6)  # the 4-token run is cut to 2 + 2
+    # balanced cp=2 of 8 tokens: rank 1's chunks [2, 4) and [4, 6) touch, and are scored as two blocks
+    ranks = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert [score_elements(r, ranks) for r in ranks] == [2 * (2 + 8), 2 * (4 + 6)]
     with pytest.raises(ParallelError, match="not 0..15 once each"):
         attention(*local, torch.zeros(16, dtype=torch.long), topo)

@@ -40,32 +40,39 @@ def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tens
             f"(got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
             "Shard(0, balanced=True) (or Shard(0)) on the token fields, the same on every rank of the split group"
         )
-    return perm, runs_of(positions.tolist())
+    peers = gathered.view(-1, positions.numel()).tolist()
+    return perm, runs_of(positions.tolist(), peers)
 
 
-def runs_of(positions: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive positions ``(first local row, a, b)``: the run's rows hold positions ``[a, b)``.
-
-    Runs are cut to the length of the shortest one: a run scores its queries against keys up to its end, so a
-    long run computes a large masked triangle. With balanced parts the middle rank's two chunks touch; cut
-    apart, every rank scores the same ``(2k+1)`` chunk-sized blocks.
-    """
+def _runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
     runs, start = [], 0
     for i in range(1, len(positions) + 1):
         if i == len(positions) or positions[i] != positions[i - 1] + 1:
             runs.append((start, positions[start], positions[i - 1] + 1))
             start = i
-    cut = min((b - a for _, a, b in runs), default=0)
+    return runs
+
+
+def runs_of(positions: Sequence[int], peers: Sequence[Sequence[int]] = ()) -> list[tuple[int, int, int]]:
+    """Runs of consecutive positions ``(first local row, a, b)``: the run's rows hold positions ``[a, b)``.
+
+    Runs are cut to the length of the shortest run of any rank (``peers``: every split rank's positions): a run
+    scores its queries against keys up to its end, so a long run computes a large masked triangle. With balanced
+    parts the middle rank's two chunks touch; cut apart, every rank scores the same ``2k+1`` chunk-sized blocks.
+    """
+    runs = _runs(positions)
+    cut = min((b - a for p in [positions, *peers] for _, a, b in _runs(p)), default=0)
     return [(s + j, a + j, min(a + j + cut, b)) for s, a, b in runs for j in range(0, b - a, cut)]
 
 
-def score_elements(positions: Sequence[int], causal: bool = True, window: int | None = None) -> int:
-    """Attention scores a rank computes per head and row for its tokens at ``positions`` (of a ``window``).
+def score_elements(positions: Sequence[int], peers: Sequence[Sequence[int]] = (), causal: bool = True) -> int:
+    """Attention scores a rank computes per head and query row for its tokens at ``positions``.
 
-    Causal: a run of positions ``[a, b)`` scores its ``b - a`` queries against keys ``[0, b)``; else against all.
+    ``peers``: every split rank's positions, as the attention sees them. Causal: a run of positions ``[a, b)``
+    scores its ``b - a`` queries against keys ``[0, b)``; otherwise every query scores the whole window.
     """
-    total = window if window is not None else len(positions)
-    return sum((b - a) * (b if causal else total) for _, a, b in runs_of(list(positions)))
+    window = len(positions) * max(len(peers), 1)
+    return sum((b - a) * (b if causal else window) for _, a, b in runs_of(list(positions), peers))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, a: int, b: int, causal: bool, scale: float) -> torch.Tensor:
