@@ -79,9 +79,13 @@ def _work(window: int, k: int) -> dict:
     from meshwise.data.parts import balanced_bounds
     from meshwise.parallel.context import score_elements
 
-    balanced = [score_elements([p for a, b in balanced_bounds(window, k, i) for p in range(a, b)]) for i in range(k)]
-    contiguous = [score_elements(list(range(*chunk_bounds(window, k, i)))) for i in range(k)]
-    return {"balanced": balanced, "contiguous": contiguous}
+    out = {}
+    for kind, ranks in (
+        ("balanced", [[p for a, b in balanced_bounds(window, k, i) for p in range(a, b)] for i in range(k)]),
+        ("contiguous", [list(range(*chunk_bounds(window, k, i))) for i in range(k)]),
+    ):
+        out[kind] = [score_elements(r, ranks) for r in ranks]  # each rank's runs, cut as the attention cuts them
+    return out
 
 
 def _init(mesh: dict):
