@@ -231,3 +231,9 @@ def test_export_gives_a_plain_state_dict_with_the_same_evaluation(runs, tmp_path
         export(folder, out)
     assert out.stat().st_mtime_ns == before
     export(folder, out, overwrite=True)
+    from meshwise.checkpoint.export import main
+
+    main([str(runs["base"] / "classic"), str(tmp_path / "cli.pt"), "--key", "model"])  # python -m ... SRC OUT
+    assert all(torch.equal(v, sd[k]) for k, v in torch.load(tmp_path / "cli.pt", weights_only=True).items())
+    with pytest.raises(SystemExit, match="overwrite"):
+        main([str(runs["base"] / "classic"), str(tmp_path / "cli.pt")])

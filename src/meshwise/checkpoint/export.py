@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,7 +21,7 @@ from meshwise.checkpoint.protocol import LATEST, MARKER, META
 from meshwise.checkpoint.validation import check_shards, read_record
 from meshwise.errors import CheckpointError
 
-__all__ = ["export", "main"]
+__all__ = ["export", "main", "run_cli"]
 
 
 def _folder(src: Path) -> Path:
@@ -106,19 +107,25 @@ def export(
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m meshwise.checkpoint.export SRC OUT [--key model] [--overwrite]``."""
-    p = argparse.ArgumentParser(prog="python -m meshwise.checkpoint.export", description=export.__doc__.split("\n")[0])
+def run_cli(argv: list[str], prog: str = "python -m meshwise.checkpoint.export") -> int:
+    """The command line ``SRC OUT [--key model] [--overwrite]``; raises :class:`CheckpointError` (for ``meshwise``'s
+    own console script to report)."""
+    p = argparse.ArgumentParser(prog=prog, description="Write one plain state_dict file from a meshwise checkpoint.")
     p.add_argument("src", help="a checkpoint folder, or a checkpoint root (its latest)")
     p.add_argument("out", help="the file to write (torch.save of a plain state_dict)")
     p.add_argument("--key", default="model", help="the saved object to export (default: model)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     a = p.parse_args(argv)
+    print(f"wrote {export(a.src, a.out, a.key, overwrite=a.overwrite)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m meshwise.checkpoint.export SRC OUT [--key model] [--overwrite]``."""
     try:
-        written = export(a.src, a.out, a.key, overwrite=a.overwrite)
+        run_cli(sys.argv[1:] if argv is None else argv)
     except CheckpointError as exc:
         raise SystemExit(f"error: {exc}") from None
-    print(f"wrote {written}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from ignite.handlers.checkpoint import BaseSaveHandler
 from torch import nn
 
 from meshwise.checkpoint.checkpointer import Checkpointer
@@ -28,13 +29,7 @@ __all__ = ["MeshSaver", "check_ignite_checkpoints"]
 SINGLE = "checkpoint"  # the name a lone object's state dict is kept under (ignite hands it over unwrapped)
 
 
-def _base_save_handler() -> type:
-    from ignite.handlers.checkpoint import BaseSaveHandler
-
-    return BaseSaveHandler
-
-
-class MeshSaver(_base_save_handler()):  # type: ignore[misc]
+class MeshSaver(BaseSaveHandler):
     """A save handler for ignite's ``Checkpoint``: each save is a meshwise checkpoint folder ``dirname/<filename>``.
 
     ``Checkpoint(to_save, MeshSaver(dirname, topo), n_saved=2, score_function=..., ...)``, attached as usual, on
