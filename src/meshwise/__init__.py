@@ -41,6 +41,7 @@ _SUBMODULES = {
     "environment",
     "topology",
     "launch",
+    "dryrun",
 }
 
 __all__ = [

@@ -1,5 +1,6 @@
 """The ``meshwise`` command line: ``run`` (torchrun with a mesh, SLURM-aware; ``--dry-run`` plays one rank of a
-planned world in this process), ``describe`` and ``plot``."""
+planned world in this process), ``describe``, ``plot`` and ``export`` (one plain state_dict file from a
+checkpoint)."""
 
 from __future__ import annotations
 
@@ -265,7 +266,7 @@ def _describe(argv: Sequence[str]) -> int:
         prog="meshwise describe",
         description="Print the rank -> coordinate table of a mesh without starting it. With --nproc-per-node, "
         "ranks are placed on nodes as torchrun and srun number them (node by node), the table shows each rank's "
-        "node and a tensor- or domain-parallel dim that crosses nodes needlessly is pointed out.",
+        "node and a tensor-, domain- or pipeline-parallel dim that crosses nodes needlessly is pointed out.",
     )
     parser.add_argument("--mesh", required=True, help="mesh sizes, e.g. dp=-1,tp=2")
     parser.add_argument("--world-size", type=int, default=None, help="number of processes to plan for")
@@ -300,7 +301,13 @@ def _plot(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": _run, "describe": _describe, "plot": _plot}
+def _export(argv: Sequence[str]) -> int:
+    from meshwise.checkpoint.export import run_cli
+
+    return run_cli(list(argv), prog="meshwise export")
+
+
+COMMANDS = {"run": _run, "describe": _describe, "plot": _plot, "export": _export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -308,13 +315,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(
-            "usage: meshwise {run,describe,plot} ...\n\n"
+            "usage: meshwise {run,describe,plot,export} ...\n\n"
             "  run       torchrun a script with a mesh:  meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 train.py\n"
             "            or play one rank of a big job:  meshwise run --dry-run --world-size 1024 --rank 5 "
             "--mesh dp=-1,tp=8 train.py\n"
             "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
             "--nproc-per-node 4\n"
-            "  plot      draw a run's curves:            meshwise plot runs/gpt",
+            "  plot      draw a run's curves:            meshwise plot runs/gpt\n"
+            "  export    one plain state_dict file:      meshwise export runs/gpt/checkpoints model.pt",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

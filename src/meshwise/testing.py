@@ -209,7 +209,13 @@ def run_distributed(
     for p in procs:
         p.start()
     try:
-        return _collect(procs, results, timeout)
+        outputs = _collect(procs, results, timeout)
+        # Ranks that returned exit as a script would: after their non-daemon threads (a checkpoint's deferred
+        # 'latest' update, say). Killing them at once would lose what such a thread still had to write.
+        end = time.monotonic() + 10.0
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        return outputs
     except DistributedFailure as exc:
         _reap(procs)
         raise DistributedFailure(f"{exc}{reports_note(index)}") from None

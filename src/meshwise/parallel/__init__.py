@@ -17,6 +17,8 @@ _LAZY = {
     "pipeline_units": "meshwise.parallel.pipeline",
     "stage_cuts": "meshwise.parallel.pipeline",
     "context_parallel": "meshwise.parallel.context",
+    "memory_per_rank": "meshwise.parallel.precision",
+    "Precision": "meshwise.parallel.precision",
 }
 
 __all__ = list(_LAZY)

@@ -78,7 +78,9 @@ def _check(x: torch.Tensor, topology: Topology, dim: str, axis: int, halo: int) 
     if not isinstance(x, torch.Tensor):
         raise ParallelError(f"halo_exchange needs a torch.Tensor tile, got {type(x).__name__}")
     if dim not in topology.dims:
-        raise ParallelError(f"halo_exchange: the mesh has no dim {dim!r} (dims {topology.roles}): name a split dim")
+        raise ParallelError(
+            f"halo_exchange: the mesh has no dim {dim!r} (its dims: {topology.layout.dims_text()}): name a split dim"
+        )
     if topology.roles[dim] != "split":
         raise ParallelError(
             f"halo_exchange: mesh dim {dim!r} has role {topology.roles[dim]!r}, not 'split'; the field must be "
