@@ -266,6 +266,63 @@ def write_summary(run_dir: Path, row: dict, checkpoint: Path) -> None:
 # --------------------------------------------------------------------------- the phase
 
 
+def make_loaders(args, topo, cfg: GPTConfig, data_dir: Path):
+    """The train and held-out loaders: windows of ``block_size`` tokens, stage- and split-aware."""
+    train_ds = ArrayDataset(windows(data_dir / "train.npy", cfg.block_size))
+    val_ds = ArrayDataset(windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
+    pp = topo.size(topo.stage_dims) if topo.stage_dims else 1
+    # Pipeline stages read only what they use: the first stage the inputs, the last the targets.
+    stages = {"stage_fields": {"first": ["input"], "last": ["target"]}} if pp > 1 else {}
+    # Context parallel (a split dim, e.g. cp): each rank reads chunks i and 2k-1-i of every window, and the batch
+    # carries their positions (docs/context.md).
+    cp = bool(topo.split_dims)
+    if cp:
+        stages["parts"] = {"input": Shard(0, balanced=True), "target": Shard(0, balanced=True)}
+    train_loader = mesh_dataloader(
+        train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read, **stages
+    )
+    val_loader = mesh_dataloader(
+        val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval", read=args.read, **stages
+    )
+    return train_ds, val_ds, train_loader, val_loader
+
+
+def make_model(args, topo, cfg: GPTConfig, tp: int):
+    """The GPT on this mesh, its AdamW, warm-up schedule and parameter count.
+
+    Full weights under one seed on every rank, then cut into stages, sharded by the TP plan and FSDP2 and given
+    the precision, activation-checkpointing and compile options.
+    """
+    model = GPT(cfg)
+    n_params = model.num_parameters()  # before sharding: the whole model's count, for the header
+    if topo.split_dims:  # its attention modules attend across the split ranks
+        context_parallel(model, topo)
+    plan = tp_plan(model) if tp > 1 else None  # without a tensor-parallel dim (or of size 1): data parallel only
+    model = meshwise.parallelize(
+        model,
+        topo,
+        tp_plan=plan,
+        dp="fsdp",
+        fsdp_units=Block,
+        cut=args.cut.split(",") if args.cut else None,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        stages_per_rank=args.stages_per_rank,
+        precision=args.precision,
+        activation_checkpointing=None if args.ac == "none" else int(args.ac) if args.ac.isdigit() else args.ac,
+        compile=args.compile,
+    )
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
+    return model, optimizer, scheduler, n_params
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     topo = meshwise.init(args.mesh)
@@ -293,51 +350,10 @@ def main(argv: list[str] | None = None) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "args": vars(args)}, indent=1))
 
-    train_ds = ArrayDataset(windows(data_dir / "train.npy", cfg.block_size))
-    val_ds = ArrayDataset(windows(data_dir / "val.npy", cfg.block_size, args.eval_samples))
+    train_ds, val_ds, train_loader, val_loader = make_loaders(args, topo, cfg, data_dir)
     pp = topo.size(topo.stage_dims) if topo.stage_dims else 1
-    # Pipeline stages read only what they use: the first stage the inputs, the last the targets.
-    stages = {"stage_fields": {"first": ["input"], "last": ["target"]}} if pp > 1 else {}
-    # Context parallel (a split dim, e.g. cp): each rank reads chunks i and 2k-1-i of every window, and the batch
-    # carries their positions (docs/context.md).
     cp = bool(topo.split_dims)
-    if cp:
-        stages["parts"] = {"input": Shard(0, balanced=True), "target": Shard(0, balanced=True)}
-    train_loader = mesh_dataloader(
-        train_ds, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed, read=args.read, **stages
-    )
-    val_loader = mesh_dataloader(
-        val_ds, topo, global_batch_size=args.eval_batch_size, mode="eval", read=args.read, **stages
-    )
-
-    # ---- model: full weights under one seed on every rank, then sharded by the TP plan and FSDP2
-    model = GPT(cfg)
-    n_params = model.num_parameters()
-    if cp:  # its attention modules attend across the split ranks
-        context_parallel(model, topo)
-    plan = tp_plan(model) if tp > 1 else None  # without a tensor-parallel dim (or of size 1): data parallel only
-    model = meshwise.parallelize(
-        model,
-        topo,
-        tp_plan=plan,
-        dp="fsdp",
-        fsdp_units=Block,
-        cut=args.cut.split(",") if args.cut else None,
-        schedule=args.schedule,
-        microbatches=args.microbatches,
-        stages_per_rank=args.stages_per_rank,
-        precision=args.precision,
-        activation_checkpointing=None if args.ac == "none" else int(args.ac) if args.ac.isdigit() else args.ac,
-        compile=args.compile,
-    )
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.95),
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
+    model, optimizer, scheduler, n_params = make_model(args, topo, cfg, tp)
 
     # ---- trainer and evaluator. Every row holds block_size target tokens: the loss is the mean over the global
     # batch's tokens. The evaluator's forward computes the per-token loss from the vocab-sharded logits under
@@ -407,6 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.run(train_loader, max_iters=start + args.steps)
     end = trainer.state.iteration
     checkpoint = checkpointer.save(end, **state)
+    checkpointer.close()  # every rank: the checkpoint is committed and "latest" points at it
     logger.close()
 
     # ---- this phase's summary row

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise import dryrun
 from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
 from meshwise.checkpoint.state import (
     apply_dcp_state,
@@ -165,7 +166,8 @@ class Checkpointer:
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 and give every rank its result; an error there is raised on every rank."""
         result: list[Any] = [None]
-        if self.topology.rank == 0:
+        planned = dryrun.active() is not None  # a dry run's fake group sends nothing: this rank answers for itself
+        if self.topology.rank == 0 or planned:
             try:
                 self._join()
                 error = self.folder.take_error()
@@ -176,7 +178,7 @@ class Checkpointer:
                 result = [("error", type(exc).__name__, str(exc))]
             except Exception as exc:  # noqa: BLE001 - must reach the other ranks or they hang
                 result = [("error", "CheckpointError", f"{type(exc).__name__}: {exc}")]
-        if self.topology.world_size > 1:
+        if self.topology.world_size > 1 and not planned:
             dist.broadcast_object_list(result, src=0)
         out = result[0]
         if out[0] == "error":
