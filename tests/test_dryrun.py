@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,7 @@ def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
 
 
 def test_bad_input_fails_as_a_real_launch(capsys: pytest.CaptureFixture[str]) -> None:
+    before = dict(os.environ)
     assert launch.main(["run", "--dry-run", "--world-size", "8", "--rank", "8", "--mesh", "dp=-1", str(GPT)]) == 2
     assert "dry-run rank 8 is outside the world of 8 ranks" in capsys.readouterr().err
     assert launch.main(["run", "--dry-run", "--world-size", "8", "--rank", "0", "--mesh", "dp=3,tp=2", str(GPT)]) == 2
@@ -131,6 +133,7 @@ def test_bad_input_fails_as_a_real_launch(capsys: pytest.CaptureFixture[str]) ->
     argv = ["run", "--dry-run", "--world-size", "8", "--rank", "0", "--nproc-per-node", "3", str(GPT)]
     assert launch.main(argv) == 2
     assert "does not divide the world size 8" in capsys.readouterr().err
+    assert dict(os.environ) == before  # a refused plan leaves the caller's environment as it was
 
 
 def test_describe_summarises_a_large_world(capsys: pytest.CaptureFixture[str]) -> None:

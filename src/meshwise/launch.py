@@ -158,14 +158,17 @@ def _dry_run(argv: Sequence[str]) -> int:
     args = _dry_run_parser().parse_args(list(argv))
     per_node = args.nproc_per_node or min(8, max(args.world_size, 1))
     spec = DryRunSpec(args.rank, args.world_size, per_node, args.dry_run_steps)
-    os.environ[DRY_RUN_VARIABLE] = spec.text()
-    dry_run_spec()  # a rank outside the world fails here, as under a real launcher
+    planned = {DRY_RUN_VARIABLE: spec.text()}
+    dry_run_spec(planned)  # a rank outside the world fails here, as under a real launcher
     if args.mesh is not None:
         Layout.resolve(args.mesh, args.world_size, args.roles)  # a bad mesh fails here, as before a real launch
-        os.environ["MESHWISE_MESH"] = args.mesh
+        planned["MESHWISE_MESH"] = args.mesh
     for variable, value in (("MESHWISE_ROLES", args.roles), ("MESHWISE_TIMEOUT", args.timeout)):
         if value is not None:
-            os.environ[variable] = str(value)
+            planned[variable] = str(value)
+    # The plan is this process's environment while the script runs, and only then (a caller's is restored).
+    saved_env = {k: os.environ.get(k) for k in planned}
+    os.environ.update(planned)
     recorder = dryrun.begin(spec.steps)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     sys.argv = [args.training_script, *args.training_script_args]
@@ -180,7 +183,11 @@ def _dry_run(argv: Sequence[str]) -> int:
         topology.shutdown()  # a script that did not call meshwise.shutdown() leaves the fake group here
         dryrun.end()
         dryrun.leave_ignite()
-        os.environ.pop(DRY_RUN_VARIABLE, None)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     print(recorder.report(), flush=True)
     if args.report_json:
         with open(args.report_json, "w") as f:
