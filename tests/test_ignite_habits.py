@@ -238,3 +238,20 @@ def test_agreement_check_on_a_split_dim_compares_samples_not_parts():
     out = run_distributed(_split_mesh, 4, mesh={"dp": 2, "cp": 2}, timeout=120)
     for r in out:
         assert r["shard"].startswith("DataError") and "cp (split) ranks" in r["shard"] and "index" in r["shard"]
+
+
+def _idist_after_shutdown() -> tuple[int, int, str | None]:
+    import ignite.distributed as idist
+
+    import meshwise
+
+    meshwise.init({"dp": 1})
+    inside = idist.get_world_size()  # ignite finds meshwise's one-process gloo group and keeps it
+    meshwise.shutdown()
+    return inside, idist.get_world_size(), idist.backend()
+
+
+def test_idist_forgets_the_group_meshwise_destroyed():
+    # A notebook or a test file runs several meshwise runs in one process: after shutdown, ignite's idist
+    # must not answer from the destroyed group (it raised "Default process group has not been initialized").
+    assert run_distributed(_idist_after_shutdown, 1) == [(1, 1, None)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from meshwise import debug, topology
@@ -20,6 +21,18 @@ __version__ = "0.1.0"
 # registered here, once: the topology (layer 1) does not import the layers above it.
 topology.on_init(debug.attach)
 topology.on_shutdown(debug.detach)
+
+
+def _release_ignite(topo: Topology) -> None:
+    """ignite.distributed keeps the process group it last found: one that meshwise made and is about to destroy
+    must not outlive it there (the next idist call, e.g. of a one-process run after it, would use a dead group)."""
+    if topo.owns_group and "ignite.distributed.utils" in sys.modules:
+        from meshwise.dryrun import leave_ignite
+
+        leave_ignite()
+
+
+topology.on_shutdown(_release_ignite)
 
 # Heavier layers load on first use, so `import meshwise` stays cheap for the launcher.
 _LAZY = {

@@ -116,7 +116,7 @@ def _tell_ignite(env: Environment) -> None:
 
 
 def leave_ignite() -> None:
-    """Hand ``ignite.distributed`` back to its own discovery after a dry run."""
+    """Hand ``ignite.distributed`` back to its own discovery (after a dry run, or when meshwise leaves its group)."""
     from ignite.distributed import utils
     from ignite.distributed.comp_models.base import _SerialModel
 
