@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import h5py
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from test_data_sampler import layout_topology
 
 from meshwise.data import ArrayDataset, Replicate, Shard, chunk_bounds, mesh_dataloader
 from meshwise.data.parts import resolve_part
-from meshwise.errors import DataError
+from meshwise.errors import DataError, DataWarning
 
 N, SHAPE = 9, (2, 14, 10)  # samples of 2 x 14 x 10: axis 1 splits unevenly in 4 (4, 4, 4, 2)
 
@@ -52,9 +54,14 @@ def test_parts_reassemble_and_halos_match_neighbours(arrays, k, halo):
         for rank in range(2 * k):  # dp=2 x cp=k: each data rank's split ranks share samples, not cells
             topo = layout_topology({"dp": 2, "cp": k}, rank)
             ds = ArrayDataset({"input": src, "label": label})
-            ld = mesh_dataloader(
-                ds, topo, global_batch_size=4, mode="eval", parts={"input": Shard(1, halo=halo), "label": Replicate()}
-            )
+            parts = {"input": Shard(1, halo=halo), "label": Replicate()}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", DataWarning)
+                ld = mesh_dataloader(ds, topo, global_batch_size=4, mode="eval", parts=parts)
+            # exactly one warning, for the one store whose chunks (7 cells) are wider than a tile (4 cells, at k=4)
+            wide = kind == "hdf5-chunked" and k == 4
+            said = [str(w.message) for w in caught if w.category is DataWarning]
+            assert len(said) == wide and all("wider than a tile along sample axis 1" in m for m in said), kind
             batches = list(ld)
             per_rank.append((topo.data_rank, topo.coordinate("cp"), ld.parts["input"], batches, ld.bytes_read))
         for data_rank in range(2):

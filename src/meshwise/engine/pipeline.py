@@ -14,8 +14,8 @@ from torch import nn
 
 from meshwise.debug import guarded
 from meshwise.engine.batch import Batch, full_tensors, local_value, ready_batch, row_count, take_rows
-from meshwise.engine.trainer import TrainStep
-from meshwise.errors import MeshwiseError, MetricError, ParallelError
+from meshwise.engine.trainer import TrainStep, check_scalar_loss
+from meshwise.errors import MetricError, ParallelError
 from meshwise.parallel.apply import local_norm_contribution
 from meshwise.parallel.pipeline import PipelineModel, pipeline_of
 from meshwise.topology import Topology
@@ -128,12 +128,7 @@ class PipelineTrainStep(TrainStep):
         if keep is not None:
             output = _take_output(output, size, keep)
         loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise MeshwiseError(
-                f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
-                "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
-            )
+        check_scalar_loss(loss)
         self._losses[i] = local_value(loss).double()  # torch's shape inference calls this once first: overwritten
         scale = self._counts[i] * self.data_parallel / self.reference
         return loss if scale == 1.0 else loss * scale

@@ -54,6 +54,16 @@ def _check_placement(model: nn.Module, topo: Topology) -> None:
     check_model(model, topo)  # also refuses idist.auto_model's DDP over the whole world beside tp/cp dims
 
 
+def check_scalar_loss(loss: Any) -> None:
+    """``loss_fn`` must return the batch's mean as a scalar tensor: meshwise weights it by the count itself."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise MeshwiseError(
+            f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
+            "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
+        )
+
+
 class TrainStep:
     """One optimizer step on this rank's local batch, equal to one process's step on the global batch.
 
@@ -195,12 +205,7 @@ class TrainStep:
             with self.precision.autocast():
                 output = self.forward(self.model, micro)
             loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise MeshwiseError(
-                    f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
-                    "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
-                )
+            check_scalar_loss(loss)
             scale = count * self.data_parallel / self.reference * (self.scaler.scale if self.scaler else 1.0)
             (loss if scale == 1.0 else loss * scale).backward()
         if not count:
