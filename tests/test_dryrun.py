@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -78,23 +79,42 @@ def _check_bytes(facts: dict) -> None:
         assert local <= 4 * model["numel"]
 
 
+def _heat(out: Path, samples: int, size: int = 16) -> None:
+    """The domain example's Zarr layout (input ``[n, 2, size, size]``, target ``[n, 1, size, size]``, one sample a
+    shard, half-width chunks), with no chunk written: a dry run reads one or two samples a rank, which come back
+    as zeros, and the planned job's dataset costs no time or disk here."""
+    import zarr
+
+    for split, n in (("train", samples), ("test", 512)):
+        root = zarr.open_group(str(out / f"heat_{split}.zarr"), mode="w")
+        for name, c in (("input", 2), ("target", 1)):
+            shape = (n, c, size, size)
+            root.create_array(
+                name, shape=shape, dtype="float32", chunks=(1, c, size, size // 2), shards=(1, *shape[1:])
+            )
+
+
 @pytest.mark.slow
 def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
     np.save(tmp_path / "tokens.npy", (np.arange(800_000) * 7 % 61).astype(np.uint16))
-    subprocess.run(
-        [sys.executable, str(DOMAIN / "generate.py"), "--out", str(tmp_path / "heat"), "--samples", "512"]
-        + ["--test-samples", "512", "--size", "16", "--steps", "2"],
-        check=True,
-        capture_output=True,
-    )
-    small, big = _gpt_args(tmp_path, 4), _gpt_args(tmp_path, 4096)
+    _heat(tmp_path / "heat", 8192)
+    small = _gpt_args(tmp_path, 4)
     runs = {("gpt", 4, r): _dry(GPT, 4, r, "dp=-1,tp=2", small, tmp_path / f"g4-{r}.json") for r in range(4)}
-    for r in (0, 8191, 16383):
-        runs[("gpt", 16384, r)] = _dry(GPT, 16384, r, "dp=-1,tp=4", big, tmp_path / f"g16k-{r}.json")
-    domain = ["--data", str(tmp_path / "heat"), "--batch", "512"]
-    runs[("domain", 1024, 1023)] = _dry(DOMAIN / "train.py", 1024, 1023, "dp=-1,domain=2", domain, tmp_path / "d.json")
-    for argv in runs.values():  # one process per dry run, as the CLI runs them
-        done = subprocess.run([sys.executable, "-m", "meshwise.launch", *argv], capture_output=True, text=True)
+    # the first, a middle and the last rank of 1,024- and 16,384-rank worlds: the GPT at tp=4 (its global batch
+    # one sample per data rank), the domain example at domain=2
+    for world in (1024, 16384):
+        for r in (0, world // 2 - 1, world - 1):
+            gpt = _gpt_args(tmp_path, world // 4)
+            runs[("gpt", world, r)] = _dry(GPT, world, r, "dp=-1,tp=4", gpt, tmp_path / f"g{world}-{r}.json")
+            domain = ["--data", str(tmp_path / "heat"), "--batch", str(world // 2)]
+            out = tmp_path / f"d{world}-{r}.json"
+            runs[("domain", world, r)] = _dry(DOMAIN / "train.py", world, r, "dp=-1,domain=2", domain, out)
+    # one process per dry run, as the CLI runs them: the first (GPT rank 0 prepares the corpus), then two at a time
+    commands = [[sys.executable, "-m", "meshwise.launch", *argv] for argv in runs.values()]
+    first = subprocess.run(commands[0], capture_output=True, text=True, timeout=240)
+    with ThreadPoolExecutor(2) as pool:
+        rest = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, timeout=240), commands[1:]))
+    for done in (first, *rest):
         assert done.returncode == 0, done.stderr[-3000:]
         assert "meshwise dry run (fake backend" in done.stdout
     facts = {key: json.loads(Path(argv[argv.index("--report-json") + 1]).read_text()) for key, argv in runs.items()}
@@ -108,20 +128,26 @@ def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
         assert (topo["world_size"], topo["rank"], topo["backend"]) == (world, rank, "fake")
         _check_bytes(f)
         assert f["checkpoints"] or name == "domain"
-        # bounded: the GPT's --steps 5 asked for more; the domain example's one epoch is one step of 512
-        assert len(f["trainer_steps"]) == (2 if name == "gpt" else 1)
-        if world == 16384:
-            # tp=4 of the 4-rank run's tp=2: the same columns, halved again; FSDP then shards dim 0 over 4096
+        # bounded at 2 steps: the GPT's --steps 5 asked for more, the domain example's epoch is 16 steps at 1,024
+        # ranks (8,192 samples, global batch 512) and one at 16,384
+        assert len(f["trainer_steps"]) == (1 if (name, world) == ("domain", 16384) else 2)
+        if name == "gpt" and world > 4:
+            # tp=4 of the 4-rank run's tp=2: the same columns, halved again; FSDP then shards dim 0 over world/4
             assert topo["coordinates"] == {"dp": rank // 4, "tp": rank % 4}
             assert [len(s["samples"]) for s in f["trainer_steps"]] == [1, 1]
             q = next(p for p in f["models"][0]["parameters"] if p["name"].endswith("attn.q.weight"))
             assert q["local_shape"] == [1 if rank // 4 < 4 else 0, 16]
-    samples = [f["trainer_steps"][0]["samples"][0] for (n, w, _), f in facts.items() if w == 16384]
-    assert len(set(samples)) == 3  # three data ranks read three different samples
-    d = facts[("domain", 1024, 1023)]
-    assert d["topology"]["coordinates"] == {"dp": 511, "domain": 1}
-    part = d["loaders"][0]["parts"]
-    assert all(p["shape"][-1] < p["sample_shape"][-1] for p in part.values())  # half of each field (+ halo)
+        if name == "domain":
+            # one sample a data rank: the input's columns 0-7 or 8-15 by the domain coordinate, with the model's one
+            # halo column; the target's without
+            assert topo["coordinates"] == {"dp": rank // 2, "domain": rank % 2}
+            assert all(len(s["samples"]) == 1 for s in f["trainer_steps"])
+            parts = f["loaders"][0]["parts"]
+            assert parts["input"]["regions"][0][-1] == [[0, 9], [7, 16]][rank % 2]
+            assert parts["target"]["regions"][0][-1] == [[0, 8], [8, 16]][rank % 2]
+    for name, world in (("gpt", 1024), ("gpt", 16384), ("domain", 1024), ("domain", 16384)):
+        samples = [f["trainer_steps"][0]["samples"][0] for (n, w, _), f in facts.items() if (n, w) == (name, world)]
+        assert len(set(samples)) == 3, (name, world)  # three data ranks read three different samples
 
 
 def test_bad_input_fails_as_a_real_launch(capsys: pytest.CaptureFixture[str]) -> None:
