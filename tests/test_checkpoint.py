@@ -438,3 +438,32 @@ def _evaluate_then_save(topo, root: str) -> dict:
 def test_save_and_load_after_an_evaluation_without_backward(tmp_path):
     for r in run_distributed(_evaluate_then_save, 2, str(tmp_path / "ckpt"), mesh={"dp": 2}):
         assert r == {"diff": 0.0, "step": 1}
+
+
+def _load_latest_right_after_a_save(topo, root: str) -> dict:
+    import meshwise
+    from meshwise.checkpoint import protocol
+
+    slow_fsync = protocol.fsync_tree
+
+    def fsync_tree(path):  # a slow disk: 'latest' moves only after this returns
+        time.sleep(1.0)
+        slow_fsync(path)
+
+    protocol.fsync_tree = fsync_tree
+    model, opt = cc.build(topo)
+    for step in (3, 4):  # two saves of different weights, each by a Checkpointer not closed, as scripts often do
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        meshwise.Checkpointer(root, topo).save(step, model=model, optimizer=opt)
+    fresh, fresh_opt = cc.build(topo)  # the weights before both saves
+    info = meshwise.Checkpointer(root, topo).load("latest", model=fresh, optimizer=fresh_opt)
+    return {"step": info.step, "diff": cc.max_diff(cc.full_state(fresh, fresh_opt), cc.full_state(model, opt))}
+
+
+def test_a_new_checkpointer_sees_the_latest_save_of_another(tmp_path):
+    # A sync save returns before its 'latest' is durable (rank 0 fsyncs in a thread); a second Checkpointer on the
+    # same root in this process waits for that thread, so it neither misses nor reorders the pointer.
+    for r in run_distributed(_load_latest_right_after_a_save, 2, str(tmp_path / "ckpt"), mesh={"dp": 2}):
+        assert r == {"step": 4, "diff": 0.0}

@@ -128,7 +128,7 @@ def _train(topo, cp: bool, steps: int, ref, ckpt: str | None = None, load: str |
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append(e.state.output))
     start = 0
     if load:
-        meshwise.Checkpointer(load, topo).load(STEPS, model=model, optimizer=opt, engine=trainer, loader=loader)
+        meshwise.Checkpointer(load, topo).load("latest", model=model, optimizer=opt, engine=trainer, loader=loader)
         start = trainer.state.iteration
     trainer.run(loader, max_iters=start + steps)
     out = {

@@ -109,6 +109,17 @@ def write_file(path: Path, text: str, fsync: bool = True) -> None:
         fsync_dir(path.parent)
 
 
+# The thread moving each root's 'latest' (by real path), whichever CheckpointFolder started it: another object on
+# the same root in this process (a Checkpointer made to load what one just saved) waits for it before reading.
+_PUBLISHING: dict[str, threading.Thread] = {}
+
+
+def _wait_for_publish(root: Path) -> None:
+    thread = _PUBLISHING.get(os.path.realpath(root))
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
 class CheckpointFolder:
     """One checkpoint root: find, create, publish, retain and delete its ``step-N`` folders.
 
@@ -177,6 +188,7 @@ class CheckpointFolder:
 
     def read_latest(self) -> int | None:
         """The step ``latest`` names, or None when there is none yet."""
+        _wait_for_publish(self.root)
         if not self.check_root(for_save=False):
             return None
         path = self.root / LATEST
@@ -255,10 +267,12 @@ class CheckpointFolder:
                 for e in self.root.iterdir()
                 if _TMP_DIR.match(e.name) and e.is_dir() and ".trash-" not in e.name
             ]
+        _wait_for_publish(self.root)  # 'latest' moves in the order of the saves, whoever made them
         if defer:
             self._finalizer = threading.Thread(
                 target=self._finalize, args=(step, final, trash, True), name=f"meshwise-ckpt-latest-{step}"
             )
+            _PUBLISHING[os.path.realpath(self.root)] = self._finalizer
             self._finalizer.start()
         else:
             self._finalize(step, final, trash, False)
