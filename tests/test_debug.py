@@ -408,3 +408,21 @@ def test_a_process_that_gloo_aborts_leaves_every_ranks_report(tmp_path):
     assert aborted, reports
     for rank in aborted:  # its Python stack, written by faulthandler after the head
         assert "in _abort_scenario" in reports[rank].split("Fatal Python error: Aborted", 1)[1]
+
+
+def test_a_gloo_abort_under_meshwise_run_points_to_the_reports(tmp_path):
+    # The real launcher: a rank that gloo aborts leaves no Python error; meshwise run's output names each
+    # rank's report (last guarded call, Python stacks) in the run folder.
+    script = Path(__file__).parent / "debug_scripts" / "abort_mismatch.py"
+    cmd = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", "2", str(script), str(tmp_path)]
+    done = run_command(cmd, timeout=120, check=False)
+    assert done.returncode != 0
+    out = done.stdout
+    assert "meshwise reports (last guarded calls, Python stacks)" in out, out[-3000:]
+    pointed = re.findall(r"rank (\d): (\S+/crash-\S+/rank-\d+\.txt)", out)
+    assert pointed and all(Path(p).is_file() and p.startswith(str(tmp_path)) for _, p in pointed), out[-3000:]
+    assert sorted(r for r, _ in pointed) == ["0", "1"]
+    assert "Fatal Python error: Aborted" in out  # the aborted rank's, from its report
+    # each rank's open collective: its dims and the script's line, read back from the reports
+    assert out.count("metric all_reduce") == 2 and out.count("over dp (batch), group [0, 1]") == 2, out[-3000:]
+    assert out.count("abort_mismatch.py:17 in <module>") == 2, out[-3000:]
