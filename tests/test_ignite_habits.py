@@ -95,14 +95,48 @@ def _supervised(topo) -> dict:
         lambda e: outputs.append((e.state.output[0].shape[0], int(e.state.batch["valid"].sum()))),
     )
     evaluator.run(val)
+    params = _full(model)
+    stop_epoch, scores = _early_stopping(topo, train, val)
     return {
-        "params": _full(model),
+        "stop_epoch": stop_epoch,
+        "scores": scores,
+        "params": params,
         "losses": losses,
         "gathers": gathers,
         "count": float(count),
         "eval": outputs,
         "mse": evaluator.state.metrics["mse"],
     }
+
+
+def _early_stopping(topo, train, val) -> tuple[int, list[float]]:
+    """ignite's EarlyStopping on the held-out MSE of ignite's own metric, evaluated after every epoch: the score is
+    the same on every rank, so every rank stops at the same epoch (a per-rank score would stop ranks apart)."""
+    from ignite.engine import Events, create_supervised_evaluator, create_supervised_trainer
+    from ignite.handlers import EarlyStopping
+    from ignite.metrics import MeanSquaredError
+
+    from meshwise.engine import ignite_habits as habits
+
+    model = _model(topo)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"device": topo.device, "prepare_batch": habits.prepare_batch(topo)}
+    trainer = create_supervised_trainer(
+        model, opt, nn.functional.mse_loss, output_transform=habits.global_loss(topo), **kw
+    )
+    evaluator = create_supervised_evaluator(
+        model, device=topo.device, prepare_batch=habits.prepare_batch(topo, train=False)
+    )
+    MeanSquaredError().attach(evaluator, "mse")
+    habits.on_mesh(trainer, topo, model=model)
+    habits.on_mesh(evaluator, topo)
+    scores: list[float] = []
+    evaluator.add_event_handler(Events.COMPLETED, lambda e: scores.append(e.state.metrics["mse"]))
+    stopper = EarlyStopping(patience=2, score_function=lambda e: -e.state.metrics["mse"], trainer=trainer)
+    evaluator.add_event_handler(Events.COMPLETED, stopper)
+    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda _: evaluator.run(val))
+    trainer.run(train, max_epochs=20)
+    return trainer.state.epoch, scores
 
 
 def _caught(fn) -> str:
@@ -216,6 +250,16 @@ def test_supervised_helpers_match_one_process_and_misuse_is_stopped(reference):
         assert all(n == 4 for n, _ in r["eval"])
         assert r["mse"] == pytest.approx(reference["mse"], rel=1e-12, abs=0)  # 13 samples, each once
     assert sum(v for _, v in ranks[0]["eval"]) + sum(v for _, v in ranks[2]["eval"]) == 13
+    # EarlyStopping (patience 2): the held-out MSE rises twice in a row before epoch 20 in one process; every
+    # rank of the mesh sees the same scores and stops at the same epoch
+    stop = reference["stop_epoch"]
+    assert 3 <= stop < 20 and len(reference["scores"]) == stop
+    assert reference["scores"][-1] > min(reference["scores"]) and reference["scores"][-2] > min(reference["scores"])
+    for r in ranks:
+        assert r["stop_epoch"] == stop
+        # ignite's MeanSquaredError sums in a float32 tensor (its reset makes torch.tensor(0.0)): the mesh adds the
+        # same squared errors in another order, so the scores agree to float32 rounding (measured ≤ 1.1e-7)
+        assert r["scores"] == pytest.approx(reference["scores"], rel=1e-6, abs=0)
 
     out = run_distributed(_misuse, 4, mesh={"dp": 2, "tp": 2}, timeout=240)
     for r in out:
