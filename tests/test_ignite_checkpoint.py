@@ -237,3 +237,9 @@ def test_export_gives_a_plain_state_dict_with_the_same_evaluation(runs, tmp_path
     assert all(torch.equal(v, sd[k]) for k, v in torch.load(tmp_path / "cli.pt", weights_only=True).items())
     with pytest.raises(SystemExit, match="overwrite"):
         main([str(runs["base"] / "classic"), str(tmp_path / "cli.pt")])
+    # the console script: meshwise export SRC OUT; a refusal is an error line and exit code 2, the file kept
+    from meshwise import launch
+
+    assert launch.main(["export", str(folder), str(tmp_path / "console.pt")]) == 0
+    assert all(torch.equal(v, sd[k]) for k, v in torch.load(tmp_path / "console.pt", weights_only=True).items())
+    assert launch.main(["export", str(folder), str(tmp_path / "console.pt")]) == 2
