@@ -108,10 +108,21 @@ def _save(topo, root: str, refused: str) -> dict:
         with CollectiveCounter((*names, "gather_object", "scatter_object_list")) as counter:
             classic.save(step, model=model, optimizer=opt)
         counted.append(counter.calls)
+        for group in opt.param_groups:
+            group["lr"] = 0.003  # a scheduler's change between saves: the replayed save must write the new value
     classic.close()
+    fresh_model, fresh_opt = cc.build(topo)
+    reader = meshwise.Checkpointer(Path(root).parent / "classic", topo)
+    reader.load(model=fresh_model, optimizer=fresh_opt)  # latest: step 8, a replayed save
+    reader.close()
+    reloaded = {
+        "lr": [g["lr"] for g in fresh_opt.param_groups],
+        "exact": cc.max_diff(cc.full_state(fresh_model, fresh_opt), cc.full_state(model, opt)),
+    }
     saver.close()
     sync_saver.close()
     out = {"saved": [(p, f) for p, f in best._saved], "last": last.last_checkpoint, "collectives": counted}
+    out["reloaded"] = reloaded
     out["disk"] = _refused(topo, refused + "-disk", "disk")
     out["model_checkpoint"] = _refused(topo, refused + "-mc", "mc")
     if topo.rank == 0:
@@ -180,6 +191,28 @@ def test_a_save_runs_dcps_collectives_then_replays_its_plans_with_two(runs):
     # its broadcast; a save of the same layout replays those plans: one gather, one broadcast of the outcome
     full = ["gather_object", "scatter_object_list", "gather_object", "broadcast_object_list"]
     assert all(runs["one"][r]["collectives"] == [full, ["gather_object", "broadcast"]] for r in range(4))
+
+
+def test_a_replayed_save_writes_changed_hyperparameters_and_spreads_replicated_items(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for rank in range(4):  # lr changed after save 7; save 8 replays 7's plans and kept serialised values
+        assert runs["one"][rank]["reloaded"] == {"lr": [0.003], "exact": 0.0}
+    # the items every rank holds (Adam's hyperparameters per parameter, its step counts) are spread over the ranks'
+    # files; DCP's own deduplication gives them all to the last rank, which the others then wait for
+    meta = FileSystemReader(str(runs["base"] / "classic" / "step-8")).read_metadata()
+    files = sorted({info.relative_path for info in meta.storage_data.values()})
+    shared = [i for i in meta.storage_data if ".param_groups." in i.fqn or i.fqn.endswith(".step")]
+    per_file = [sum(meta.storage_data[i].relative_path == f for i in shared) for f in files]
+    assert len(files) == 4 and len(shared) > 20 and min(per_file) > 0 and max(per_file) <= len(shared) // 2, per_file
+
+
+def test_plain_values_are_cached_by_their_exact_type_and_value():
+    from meshwise.checkpoint.writer import _plain_key
+
+    keys = [_plain_key(v) for v in (1, 1.0, True, "1", (1,), [1], (0.9, 0.999), None)]
+    assert None not in keys[:-1] and len(set(keys)) == len(keys)
+    assert _plain_key(torch.tensor(1.0)) is None and _plain_key({"a": 1}) is None  # never cached
 
 
 def test_resume_at_tp4_and_in_one_process_is_exact(runs):

@@ -40,7 +40,15 @@ from meshwise.checkpoint.state import (
     warn_differences,
 )
 from meshwise.checkpoint.validation import check_keys, read_record
-from meshwise.checkpoint.writer import CommitWriter, RecordingPlanner, SavedPlans, failure_text, replay_save, stage
+from meshwise.checkpoint.writer import (
+    CachingPlanner,
+    CommitWriter,
+    RecordingPlanner,
+    SavedPlans,
+    failure_text,
+    replay_save,
+    stage,
+)
 from meshwise.dryrun import note_checkpoint
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
@@ -124,6 +132,7 @@ class Checkpointer:
         self._worker: ThreadPoolExecutor | None = None
         self._buffers: dict[tuple, Any] = {}  # async staging buffers, kept from save to save
         self._plans: SavedPlans | None = None  # what the last full save planned: later saves replay it
+        self._objects: dict[str, tuple[str, bytes]] = {}  # serialised plain values, reused while unchanged
         self._root_checked = False  # rank 0 accepted root once: later async saves prepare in the background
         if self.async_save and dist.is_initialized():
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
@@ -296,9 +305,12 @@ class Checkpointer:
         """Replay the last full save's plans when no rank's layout changed, else a full ``dcp.save`` (recorded)."""
         import torch.distributed.checkpoint as dcp
 
-        if self._plans is not None and replay_save(state, writer, self._plans, group, self.topology.world_size):
+        world = self.topology.world_size
+        if self._plans is not None and replay_save(
+            state, writer, self._plans, CachingPlanner(self._objects), group, world
+        ):
             return
-        planner, self._plans = RecordingPlanner(), None
+        planner, self._plans = RecordingPlanner(self._objects), None
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group)
         self._plans = planner.planned
 
