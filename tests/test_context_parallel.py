@@ -281,6 +281,8 @@ def test_model_without_entry_point_or_positions():
         context_parallel(torch.nn.TransformerEncoderLayer(16, 2), topo)
     with pytest.raises(ParallelError, match="no split dim|needs the split dim"):
         context_parallel(_model(), layout_topology({"dp": 2}, 0))
+    with pytest.raises(ParallelError, match="with pipeline stages .* is not supported"):
+        context_parallel(_model(), layout_topology({"pp": 2, "cp": 2}, 0))
     model = context_parallel(copy.deepcopy(_model()), topo)
     with pytest.raises(ParallelError, match=r"positions=batch\['positions'\]"):
         model(torch.zeros(1, 8, dtype=torch.long))  # forgot the positions: refused before any collective

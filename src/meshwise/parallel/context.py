@@ -236,6 +236,13 @@ def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim:
     as ``self.context_attention(q, k, v, positions)`` when set) gets a :class:`ContextAttention`. The model's
     ``forward`` must take ``positions`` (its tokens' global positions); calling it without them then raises.
     """
+    topology = resolve(topology)
+    if topology.size(topology.stage_dims) > 1:
+        raise ParallelError(
+            f"context parallel with pipeline stages (stage dims {list(topology.stage_dims)}) is not supported: the "
+            "pipeline hands later stages activations without their tokens' positions, which the causal mask needs; "
+            "use a mesh with either a stage dim or a token split dim"
+        )
     attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
     if not attention_modules:
         raise ParallelError(
