@@ -133,10 +133,11 @@ _PLAIN = (int, float, bool, str, bytes, type(None))
 
 def _plain_key(value: Any, depth: int = 0) -> str | None:
     """An exact text of ``value`` when it is made only of plain Python values (numbers, strings, None, and tuples
-    or lists of them), whose ``repr`` tells types and values apart; None for anything else (never cached)."""
-    if isinstance(value, _PLAIN):
+    or lists of them; exact types, not subclasses such as numpy's float64), whose ``repr`` tells types and values
+    apart; None for anything else (never cached)."""
+    if type(value) in _PLAIN:
         return repr(value)
-    if isinstance(value, (tuple, list)) and depth < 4:
+    if type(value) in (tuple, list) and depth < 4:
         parts = [_plain_key(v, depth + 1) for v in value]
         if None not in parts:
             return f"{type(value).__name__}({', '.join(parts)})"  # type: ignore[arg-type]
