@@ -41,7 +41,6 @@ from meshwise.checkpoint.state import (
 )
 from meshwise.checkpoint.validation import check_keys, read_record
 from meshwise.checkpoint.writer import (
-    CachingPlanner,
     CommitWriter,
     RecordingPlanner,
     SavedPlans,
@@ -306,9 +305,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         world = self.topology.world_size
-        if self._plans is not None and replay_save(
-            state, writer, self._plans, CachingPlanner(self._objects), group, world
-        ):
+        if self._plans is not None and replay_save(state, writer, self._plans, self._objects, group, world):
             return
         planner, self._plans = RecordingPlanner(self._objects), None
         dcp.save(state, storage_writer=writer, planner=planner, process_group=group)

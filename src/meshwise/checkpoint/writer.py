@@ -229,11 +229,16 @@ def _error_text(exc: BaseException) -> str:
 
 
 def replay_save(
-    state: dict[str, Any], writer: CommitWriter, plans: SavedPlans, planner: CachingPlanner, group: Any, world: int
+    state: dict[str, Any],
+    writer: CommitWriter,
+    plans: SavedPlans,
+    objects: dict[str, tuple[str, bytes]],
+    group: Any,
+    world: int,
 ) -> bool:
     """Save ``state`` with the plans of the last full save, if no rank's layout changed: False when one did (nothing
-    is committed; run a full ``dcp.save``, which plans again). ``planner`` is a fresh one of this checkpointer.
-    Raises :class:`CheckpointError` on every rank.
+    is committed; run a full ``dcp.save``, which plans again). ``objects``: the checkpointer's kept serialised
+    values (:class:`CachingPlanner`). Raises :class:`CheckpointError` on every rank.
 
     Each rank writes with its cached final plan, then one gather brings every rank's write results and report to
     rank 0, which writes ``.metadata`` (the cached global metadata with this save's storage data) and publishes,
@@ -241,6 +246,7 @@ def replay_save(
     gathers, its scatter and its broadcast of pickled objects.
     """
     coordinator = world == 1 or dist.get_rank(group) == 0
+    planner = CachingPlanner(objects)
     try:
         planner.set_up_planner(state_dict=state, storage_meta=None, is_coordinator=coordinator)
         if planner.create_local_plan() != plans.local:
