@@ -124,6 +124,9 @@ def _errors(topo, root: str) -> dict:
     )
     out["missing_meta"] = _error(lambda: copy("nometa", lambda p: (p / "meshwise.json").unlink()).load(model=model))
     out["missing_dcp_meta"] = _error(lambda: copy("nodcp", lambda p: (p / ".metadata").unlink()).load(model=model))
+    out["newer_torch"] = _error(lambda: copy("newer", _as_if_from_newer_torch).load(model=model))
+    out["newer_torch_intact"] = (base / "newer" / "step-1" / ".metadata").stat().st_size > 0
+    out["newer_format"] = _error(lambda: copy("newfmt", _as_if_from_newer_format).load(model=model))
     notckpt = base / "notckpt"
     if topo.rank == 0:
         notckpt.mkdir()
@@ -147,6 +150,31 @@ def _errors(topo, root: str) -> dict:
     ck.load(model=model, optimizer=opt, loader=loader)
     out["good_steps"] = ck.steps()
     return out
+
+
+def _as_if_from_newer_torch(step: Path) -> None:
+    """Rewrite a checkpoint as torch 2.15 writes it: the record names torch 2.15.0, and each tensor's properties in
+    the DCP metadata carry one more field (its strides), which the unpickler of an older torch cannot take."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    record = json.loads((step / "meshwise.json").read_text())
+    (step / "meshwise.json").write_text(json.dumps({**record, "torch": "2.15.0"}))
+    with open(step / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    own = TensorProperties.__getstate__
+    TensorProperties.__getstate__ = lambda self: (*own(self), None)  # the extra field
+    try:
+        with open(step / ".metadata", "wb") as f:
+            pickle.dump(md, f)
+    finally:
+        TensorProperties.__getstate__ = own
+
+
+def _as_if_from_newer_format(step: Path) -> None:
+    record = json.loads((step / "meshwise.json").read_text())
+    (step / "meshwise.json").write_text(json.dumps({**record, "version": record["version"] + 1, "meshwise": "9.0"}))
 
 
 def _phase_one(topo, root: str, async_root: str, err_root: str) -> dict:
@@ -350,6 +378,9 @@ def test_errors_name_the_file_and_change_nothing(runs):
     assert "__2_0.distcp" in e["missing_shard"] and "missing" in e["missing_shard"]
     assert "meshwise.json" in e["missing_meta"] and "missing" in e["missing_meta"]
     assert ".metadata" in e["missing_dcp_meta"]
+    assert "torch 2.15.0" in e["newer_torch"] and f"this torch {torch.__version__}" in e["newer_torch"]
+    assert "damaged" not in e["newer_torch"] and e["newer_torch_intact"]
+    assert "meshwise 9.0" in e["newer_format"] and "format 2" in e["newer_format"], e["newer_format"]
     assert "not a checkpoint folder" in e["not_folder_load"] and "notes.txt" in e["not_folder_load"]
     assert "not a checkpoint folder" in e["not_folder_save"] and e["not_folder_intact"]
     assert "no checkpoint folder" in e["nothing"]

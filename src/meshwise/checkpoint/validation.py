@@ -8,13 +8,14 @@ and global shapes the objects expect against the DCP metadata: a damaged or fore
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from meshwise.checkpoint.protocol import DCP_META, FORMAT, META, OBJECTS_DIR
+from meshwise.checkpoint.protocol import DCP_META, FORMAT, FORMAT_VERSION, META, OBJECTS_DIR
 from meshwise.errors import CheckpointError
 
 __all__ = ["check_keys", "check_shards", "read_record"]
@@ -31,6 +32,14 @@ def read_record(path: Path, kinds: Mapping[str, str]) -> dict[str, Any]:
         raise CheckpointError(f"{meta_path} is not valid JSON ({exc}): the checkpoint is damaged") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path} is not a meshwise checkpoint record (format {meta.get('format')!r})")
+    if int(meta.get("version", 0)) > FORMAT_VERSION:
+        from meshwise import __version__
+
+        raise CheckpointError(
+            f"{meta_path} was written by meshwise {meta.get('meshwise', '?')} in checkpoint format "
+            f"{meta.get('version')}; this is meshwise {__version__}, which reads format {FORMAT_VERSION} and older: "
+            f"load it with meshwise {meta.get('meshwise', '?')} or newer"
+        )
     saved = meta.get("objects", {})
     absent = [n for n in kinds if n not in saved]
     if absent:
@@ -44,12 +53,27 @@ def read_record(path: Path, kinds: Mapping[str, str]) -> dict[str, Any]:
         if k == "state" and not (path / OBJECTS_DIR / f"{n}.pt").is_file():
             raise CheckpointError(f"{path / OBJECTS_DIR / (n + '.pt')} is missing: the checkpoint is incomplete")
     if meta.get("dcp") and any(k in ("module", "optimizer", "tensors") for k in kinds.values()):
-        check_shards(path)
+        check_shards(path, writer_torch=meta.get("torch"))
     return meta
 
 
-def check_shards(path: Path) -> None:
-    """Check that the DCP metadata of ``path`` is readable and every shard file it names is there, long enough."""
+def _newer_torch(writer: str | None) -> bool:
+    """Whether the torch that wrote a checkpoint is a newer release than this one (local tags such as +cpu aside)."""
+
+    def release(text: str) -> tuple[int, ...] | None:
+        found = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text or "")
+        return tuple(int(x or 0) for x in found.groups()) if found else None
+
+    theirs, ours = release(writer or ""), release(torch.__version__)
+    return theirs is not None and ours is not None and theirs > ours
+
+
+def check_shards(path: Path, writer_torch: str | None = None) -> None:
+    """Check that the DCP metadata of ``path`` is readable and every shard file it names is there, long enough.
+
+    ``writer_torch``: the torch version the metadata record says wrote the checkpoint. DCP's metadata gains fields
+    between torch releases (2.15 added tensor strides), and an older torch cannot unpickle it: when the writer was
+    newer, the error says so instead of calling the file damaged."""
     from torch.distributed.checkpoint import FileSystemReader
 
     dcp_meta = path / DCP_META
@@ -58,6 +82,13 @@ def check_shards(path: Path) -> None:
     try:
         md = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # noqa: BLE001
+        if _newer_torch(writer_torch):
+            raise CheckpointError(
+                f"{dcp_meta} was written by torch {writer_torch} and cannot be read by this torch {torch.__version__} "
+                f"({type(exc).__name__}: {exc}): DCP's metadata format changes between torch releases. Load it with "
+                f"torch {writer_torch.split('+')[0]} or newer (e.g. to export it: meshwise export), or upgrade torch "
+                "here; the checkpoint itself is intact"
+            ) from None
         raise CheckpointError(f"{dcp_meta} cannot be read ({type(exc).__name__}: {exc}): it is damaged") from None
     needed: dict[str, int] = {}
     for info in (md.storage_data or {}).values():
