@@ -1,8 +1,11 @@
-"""Topology-aware data: a global-cursor sampler, per-rank sample parts read lazily, replica read strategies."""
+"""Topology-aware data: a global-cursor sampler, per-rank sample parts, replica read strategies, map-style sources."""
 
 from __future__ import annotations
 
+from meshwise.data.collate import pad_collate
 from meshwise.data.loader import MeshDataLoader, mesh_dataloader
+from meshwise.data.mapped import MeshSampleLoader
+from meshwise.data.packing import pack
 from meshwise.data.parts import Replicate, Shard, chunk_bounds, from_placements, parts_of
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, Source
@@ -11,6 +14,7 @@ from meshwise.data.sources import ArrayDataset, Source
 __all__ = [
     "ArrayDataset",
     "MeshDataLoader",
+    "MeshSampleLoader",
     "MeshSampler",
     "Replicate",
     "Shard",
@@ -18,5 +22,7 @@ __all__ = [
     "chunk_bounds",
     "from_placements",
     "mesh_dataloader",
+    "pack",
+    "pad_collate",
     "parts_of",
 ]

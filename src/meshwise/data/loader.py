@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
@@ -374,7 +375,7 @@ def mesh_dataloader(
     read: str = "each",
     num_workers: int = 0,
     **kwargs: Any,
-) -> MeshDataLoader:
+) -> MeshDataLoader | MeshSampleLoader:
     """A loader that gives this rank ``global_batch_size // topology.data_size`` samples a step, parts only.
 
     ``mode="train"``: a permutation per (seed, epoch), last partial batch dropped or (``drop_last=False``)
@@ -383,7 +384,29 @@ def mesh_dataloader(
     reads in a replica group: ``"each"``, ``"broadcast"`` (the leader reads) or ``"scatter"`` (1/k each).
     ``num_workers > 0`` reads in DataLoader worker processes (``prefetch_factor``, ``multiprocessing_context``
     are passed through; the context defaults to ``"fork"`` where the platform has it).
+
+    A map-style torch ``Dataset`` or a ``datasets.Dataset`` gets a :class:`MeshSampleLoader` instead: samples
+    read by index and joined by ``collate_fn`` (default :func:`meshwise.data.pad_collate`), ``read="each"``.
     """
+    # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
+    if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
+        return MeshSampleLoader(
+            dataset,
+            topology,
+            global_batch_size=global_batch_size,
+            mode=mode,
+            seed=seed,
+            drop_last=drop_last,
+            parts=parts,
+            read=read,
+            num_workers=num_workers,
+            **kwargs,
+        )
+    if "collate_fn" in kwargs:
+        raise DataError(
+            "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "
+            "post-process the batch dict instead"
+        )
     return MeshDataLoader(
         dataset,
         topology,
