@@ -47,6 +47,7 @@ _SUBMODULES = {
     "parallel",
     "engine",
     "checkpoint",
+    "physicsnemo",
     "debug",
     "plot",
     "testing",

@@ -1,0 +1,294 @@
+"""PhysicsNeMo interop: adopt DistributedManager's mesh as the topology and convert loaded tiles to/from ShardTensor.
+
+Three calls, each checked, never assumed (docs/physicsnemo.md):
+
+* :func:`initialize_manager` starts ``DistributedManager`` on CPU too (its own ``initialize()`` passes
+  ``device_id=cpu`` to ``init_process_group``, which torch rejects with a ``ValueError`` it does not catch);
+* :func:`adopt` makes the manager's ``global_mesh`` the meshwise topology (or, when meshwise came first, gives
+  the topology's mesh to the manager), so both name the same ranks and groups;
+* :func:`to_shard_tensor` / :func:`from_shard_tensor` turn a tile read by ``mesh_dataloader`` with ``Shard``
+  parts (uneven, halo stripped) into a ``ShardTensor`` with explicit uneven ``sharding_shapes``, and back,
+  without communication.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshwise.data.parts import FieldPart, chunk_bounds
+from meshwise.errors import DataError, TopologyError
+from meshwise.topology import Topology, current, init
+
+__all__ = ["adopt", "from_shard_tensor", "initialize_manager", "to_shard_tensor"]
+
+
+def _manager_class() -> Any:
+    try:
+        from physicsnemo.distributed import DistributedManager
+    except ImportError as exc:  # an optional extra: say how to get it
+        raise TopologyError(
+            "meshwise.physicsnemo needs PhysicsNeMo: pip install --no-deps nvidia-physicsnemo and "
+            "pip install 'meshwise[physicsnemo]' (see docs/physicsnemo.md)"
+        ) from exc
+    return DistributedManager
+
+
+def initialize_manager(*, backend: str | None = None) -> Any:
+    """Start (or return) PhysicsNeMo's ``DistributedManager``; works on CPU where its ``initialize()`` fails.
+
+    With CUDA and no process group yet, this is ``DistributedManager.initialize()`` itself. Otherwise the
+    process group is joined first (``env://``, ``backend`` default gloo on CPU), or the one that exists
+    (e.g. made by ``meshwise.init()``) is used, and the manager's state is filled as its ``setup()`` would,
+    minus the second ``init_process_group`` call that would fail.
+    """
+    manager_cls = _manager_class()
+    if manager_cls.is_initialized():
+        return manager_cls()
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if not dist.is_initialized() and (torch.cuda.is_available() or not launched):
+        # CUDA: device_id is a CUDA device, which torch accepts. No launcher: PhysicsNeMo's single-process path.
+        manager_cls.initialize()
+        return manager_cls()
+    if not dist.is_initialized():
+        chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(chosen, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = manager_cls._shared_state
+    state["_is_initialized"] = True
+    manager = manager_cls()
+    manager._distributed = True
+    manager._rank, manager._world_size = rank, world
+    manager._local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available()
+    manager._device = torch.device(f"cuda:{manager._local_rank % torch.cuda.device_count()}" if cuda else "cpu")
+    manager._initialization_method = "env"
+    import numpy as np
+
+    np.random.seed(seed=rank)  # what DistributedManager.initialize() does after setup
+    return manager
+
+
+def _manager_mesh(manager: Any) -> Any:
+    # _global_mesh, not global_mesh: the property would build a flat ("world",) mesh when none exists
+    return getattr(manager, "_global_mesh", None)
+
+
+def _mesh_sizes(device_mesh: Any) -> dict[str, int]:
+    return dict(zip(device_mesh.mesh_dim_names or (), device_mesh.mesh.shape))
+
+
+def adopt(
+    manager: Any = None,
+    *,
+    roles: Mapping[str, str] | str | None = None,
+    mesh: Mapping[str, int] | None = None,
+    **init_kwargs: Any,
+) -> Topology:
+    """The meshwise topology over PhysicsNeMo's ``global_mesh``: same dims, sizes, ranks and groups.
+
+    ``roles`` names the role of dims without a default: ``model_parallel`` (PhysicsNeMo's domain parallel)
+    is ``"split"``. ``mesh`` (dim -> size, ``-1`` allowed once) is what the program expects: without a manager
+    mesh it is built with ``manager.initialize_mesh``; with one, the sizes must agree. When ``meshwise.init()``
+    already ran, its mesh is given to the manager (or checked against the manager's) and the topology is
+    returned. ``init_kwargs`` (timeout, debug, ...) go to :func:`meshwise.init`.
+    """
+    manager_cls = _manager_class()
+    if manager is None:
+        if not manager_cls.is_initialized():
+            raise TopologyError(
+                "DistributedManager is not initialised: call meshwise.physicsnemo.initialize_manager() first "
+                "(DistributedManager.initialize() fails on CPU; see docs/physicsnemo.md)"
+            )
+        manager = manager_cls()
+    own = _manager_mesh(manager)
+    topology = current()
+    if topology is not None:
+        return _give_mesh(manager, topology, own, mesh)
+    if own is None:
+        if mesh is None:
+            raise TopologyError(
+                "DistributedManager has no mesh yet: call manager.initialize_mesh((-1, 2), ('data_parallel', "
+                "'model_parallel')) first, or pass adopt(mesh={'data_parallel': -1, 'model_parallel': 2})"
+            )
+        own = manager.initialize_mesh(tuple(mesh.values()), tuple(mesh))
+    elif mesh is not None:
+        _check_sizes(_mesh_sizes(own), dict(mesh), "the DistributedManager's global_mesh")
+    try:
+        topology = init(mesh=own, roles=roles, **init_kwargs)
+    except TopologyError as exc:
+        if "no default role" not in str(exc):
+            raise
+        hint = "With PhysicsNeMo (model_parallel = domain parallel): meshwise.physicsnemo.adopt(roles=ROLES)"
+        raise TopologyError(f"{exc}. {hint.replace('ROLES', repr({'model_parallel': 'split'}))}") from None
+    _check_agreement(manager, topology, own)
+    return topology
+
+
+def _check_sizes(theirs: dict[str, int], wanted: dict[str, int], what: str) -> None:
+    names_ok = list(theirs) == list(wanted)
+    sizes_ok = names_ok and all(w in (-1, theirs[d]) for d, w in wanted.items())
+    if not sizes_ok:
+        raise TopologyError(
+            f"{what} is {theirs} but mesh={wanted} was asked for: make the two agree (the same dims in the same "
+            "order and sizes; -1 takes the rest), or drop mesh= to take the manager's as it is"
+        )
+
+
+def _give_mesh(manager: Any, topology: Topology, own: Any, mesh: Mapping[str, int] | None) -> Topology:
+    """meshwise.init() came first: the manager gets the topology's mesh, or its own must be the same one."""
+    sizes = topology.sizes
+    if mesh is not None:
+        _check_sizes(dict(sizes), dict(mesh), "the meshwise topology's mesh")
+    if own is None:
+        manager._global_mesh = topology.mesh
+        manager._mesh_dims = dict(sizes)
+    else:
+        _check_sizes(dict(sizes), _mesh_sizes(own), "the meshwise topology's mesh")
+        if own.mesh.tolist() != topology.mesh.mesh.tolist():
+            raise TopologyError(
+                f"the DistributedManager's mesh places ranks {own.mesh.tolist()} but meshwise's places "
+                f"{topology.mesh.mesh.tolist()}: build one mesh and adopt it (see docs/physicsnemo.md)"
+            )
+    _check_agreement(manager, topology, _manager_mesh(manager))
+    return topology
+
+
+def _check_agreement(manager: Any, topology: Topology, device_mesh: Any) -> None:
+    """Rank, coordinates and group members of each dim: PhysicsNeMo's view equals meshwise's."""
+    if manager.rank != topology.rank or manager.world_size != topology.world_size:
+        raise TopologyError(
+            f"DistributedManager says rank {manager.rank} of {manager.world_size} but meshwise says "
+            f"{topology.rank} of {topology.world_size}: start both from the same launcher and process group"
+        )
+    for dim in device_mesh.mesh_dim_names:
+        theirs = dist.get_process_group_ranks(device_mesh.get_group(dim))
+        if device_mesh.get_local_rank(dim) != topology.coordinate(dim) or theirs != topology.group_ranks(dim):
+            raise TopologyError(
+                f"mesh dim {dim!r}: PhysicsNeMo's group is {theirs} but meshwise's is "
+                f"{topology.group_ranks(dim)}: adopt the manager's mesh instead of building a second one"
+            )
+
+
+def _part_of(loader_or_part: Any, name: str | None) -> FieldPart:
+    if isinstance(loader_or_part, FieldPart):
+        return loader_or_part
+    parts = getattr(loader_or_part, "parts", None)
+    if not isinstance(parts, Mapping):
+        raise DataError(
+            f"expected a MeshDataLoader or a FieldPart, got {type(loader_or_part).__name__}: pass the loader "
+            "that read the batch (with name=) or loader.parts[name]"
+        )
+    if name not in parts:
+        raise DataError(f"name={name!r} is not a field of this loader ({sorted(parts)}): pass name='<field>'")
+    return parts[name]
+
+
+def _layout(part: FieldPart, topology: Topology, batch: int) -> tuple[Any, list[Any], dict[int, list[tuple]], tuple]:
+    """Mesh, placements, sharding_shapes and global shape of the ShardTensor of ``part`` (no communication)."""
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+
+    if part.balanced is not None:
+        raise DataError(
+            f"field {part.name!r} is a balanced part (two chunks of axis {part.balanced[1]}): a ShardTensor "
+            "holds one contiguous chunk a rank; use Shard(axis) without balanced=True"
+        )
+    dims = tuple(d for d, _ in part.placements)
+    if not dims or all(a is None for _, a in part.placements):
+        raise DataError(
+            f"field {part.name!r} is not split over any dim ({topology.layout.dims_text()}): read it with "
+            "parts={name: Shard(axis)} on a mesh with a 'split' dim (e.g. roles={'model_parallel': 'split'})"
+        )
+    mesh = topology.mesh[dims] if len(dims) > 1 else topology.mesh[dims[0]]
+    placements = [DReplicate() if a is None else DShard(a + 1) for _, a in part.placements]
+    global_shape = (batch, *part.sample_shape)
+    mine = [batch, *part.interior_shape]
+    shapes: dict[int, list[tuple]] = {}
+    for m, (dim, axis) in enumerate(part.placements):
+        if axis is None:
+            continue
+        n, k = part.sample_shape[axis], topology.size(dim)
+        rows = []
+        for c in range(k):  # rank c along this mesh dim, this rank's coordinates on the others (PhysicsNeMo's rule)
+            lo, hi = chunk_bounds(n, k, c)
+            shape = list(mine)
+            shape[axis + 1] = hi - lo
+            rows.append(tuple(shape))
+        shapes[m] = rows
+    return mesh, placements, shapes, global_shape
+
+
+def to_shard_tensor(
+    batch_field: torch.Tensor, loader_or_part: Any, topology: Topology | None = None, *, name: str | None = None
+) -> Any:
+    """A loaded batch tile ``[B, *part.shape]`` as a ``ShardTensor`` over the split dims; no communication.
+
+    The halo is stripped (a ShardTensor has no overlap); placements are ``Shard(axis + 1)`` on the dims that
+    split the field, ``Replicate()`` elsewhere; ``sharding_shapes`` are given explicitly, uneven tiles included,
+    so PhysicsNeMo never gathers shapes. ``loader_or_part`` is the loader (with ``name=``) or its ``FieldPart``.
+    """
+    from physicsnemo.domain_parallel import ShardTensor
+
+    topology = topology if topology is not None else _current_or_error()
+    part = _part_of(loader_or_part, name)
+    local = part.strip_halo(batch_field) if part.has_halo else batch_field
+    if tuple(local.shape[1:]) != part.interior_shape:
+        raise DataError(
+            f"field {part.name!r}: expected a batch of tiles [B, {', '.join(map(str, part.shape))}], got "
+            f"{list(batch_field.shape)}: pass the tensor the loader yielded for this field"
+        )
+    mesh, placements, shapes, _ = _layout(part, topology, local.shape[0])
+    return ShardTensor.from_local(local, mesh, placements, sharding_shapes=shapes)
+
+
+def from_shard_tensor(
+    shard_tensor: Any, loader_or_part: Any, topology: Topology | None = None, *, name: str | None = None
+) -> torch.Tensor:
+    """This rank's tile (halo stripped) of a ``ShardTensor``, checked against the loader's part; no communication.
+
+    The ShardTensor must sit on the part's split mesh with its placements, global shape and sharding shapes;
+    redistribute it first otherwise. Add the halo again with ``meshwise.parallel.halo_exchange``.
+    """
+    topology = topology if topology is not None else _current_or_error()
+    part = _part_of(loader_or_part, name)
+    spec = getattr(shard_tensor, "_spec", None)
+    if spec is None or not hasattr(spec, "sharding_shapes"):
+        raise DataError(
+            f"expected a ShardTensor, got {type(shard_tensor).__name__}: build it with to_shard_tensor(...)"
+        )
+    batch = shard_tensor.shape[0]
+    mesh, placements, shapes, global_shape = _layout(part, topology, batch)
+    problems = []
+    if shard_tensor.device_mesh.mesh.tolist() != mesh.mesh.tolist():
+        problems.append(f"mesh ranks {shard_tensor.device_mesh.mesh.tolist()} != {mesh.mesh.tolist()}")
+    if tuple(shard_tensor.placements) != tuple(placements):
+        problems.append(f"placements {tuple(shard_tensor.placements)} != {tuple(placements)}")
+    if tuple(shard_tensor.shape) != global_shape:
+        problems.append(f"global shape {tuple(shard_tensor.shape)} != {global_shape}")
+    theirs = spec._sharding_shapes  # read as stored: sharding_shapes() would gather missing ones
+    if not problems and theirs is not None:
+        theirs = {m: [tuple(s) for s in v] for m, v in theirs.items()}
+        if theirs != shapes:
+            problems.append(f"sharding_shapes {theirs} != {shapes}")
+    local = shard_tensor.to_local()
+    if not problems and tuple(local.shape) != shapes[min(shapes)][topology.coordinate(part.placements[min(shapes)][0])]:
+        problems.append(f"local shape {tuple(local.shape)} is not this rank's tile")
+    if problems:
+        raise DataError(
+            f"ShardTensor does not match the tiles of field {part.name!r}: {'; '.join(problems)}: redistribute it "
+            f"to placements {tuple(placements)} on the split mesh {mesh.mesh_dim_names} with the loader's "
+            "chunk-like tiles (or build it with to_shard_tensor)"
+        )
+    return local
+
+
+def _current_or_error() -> Topology:
+    topology = current()
+    if topology is None:
+        raise TopologyError("no meshwise topology: call meshwise.physicsnemo.adopt(...) first, or pass topology=")
+    return topology
