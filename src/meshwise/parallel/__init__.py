@@ -1,5 +1,5 @@
-"""Model parallelism over the topology: TP plans and FSDP2 placed by roles, pipeline stages, global-norm clipping,
-halo exchange."""
+"""Model parallelism over the topology: TP plans (also Hugging Face models' own) and FSDP2 placed by roles, pipeline
+stages, global-norm clipping, halo exchange."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ _LAZY = {
     "pipeline_units": "meshwise.parallel.pipeline",
     "stage_cuts": "meshwise.parallel.pipeline",
     "context_parallel": "meshwise.parallel.context",
+    "check_attention_routed": "meshwise.parallel.context",
+    "hf_tp_plan": "meshwise.parallel.hf",
     "memory_per_rank": "meshwise.parallel.precision",
     "Precision": "meshwise.parallel.precision",
 }

@@ -196,7 +196,7 @@ def parallelize(
     model: nn.Module,
     topology: Topology | None = None,
     *,
-    tp_plan: Mapping[str, Any] | Callable[[nn.Module], Mapping[str, Any]] | None = None,
+    tp_plan: Mapping[str, Any] | Callable[[nn.Module], Mapping[str, Any]] | str | None = None,
     dp: str = "fsdp",
     fsdp_units: FsdpUnits | None = None,
     fsdp_kwargs: Mapping[str, Any] | None = None,
@@ -212,7 +212,9 @@ def parallelize(
 
     ``tp_plan`` maps submodule names (``parallelize_module`` patterns such as ``"blocks.*.attn.q"``) to
     torch ``ParallelStyle`` objects (``ColwiseParallel()``, ``RowwiseParallel()``, ...), or is a function
-    of the model returning that mapping. ``dp`` is ``"fsdp"`` (FSDP2 ``fully_shard``: each of
+    of the model returning that mapping, or ``"auto"``: a Hugging Face model's own plan translated to those
+    styles after checking its head, MLP and vocabulary sizes divide by tp (docs/hf.md).
+    ``dp`` is ``"fsdp"`` (FSDP2 ``fully_shard``: each of
     ``fsdp_units`` — names, modules, a module type or a predicate ``(name, module) -> bool`` — then the
     root), ``"replicate"`` (``replicate_with_fsdp``: DDP semantics that compose with TP) or ``"none"``.
     Data parallel spans the batch *and* split dims (flattened): split ranks hold partial gradients of
@@ -239,6 +241,9 @@ def parallelize(
     """
     topology = resolve(topology)
     _check_parallelize_input(model, topology, dp)
+    from meshwise.parallel.context import check_attention_routed
+
+    check_attention_routed(model, topology)  # token-split parts through plain attention: a silently wrong loss
     check_schedule(schedule, stages_per_rank)
     plan = check_tp_plan(model, topology, tp_plan)
     units = fsdp_unit_names(model, fsdp_units)
@@ -362,6 +367,8 @@ def check_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> dict[st
     """
     replica = topology.replica_dims
     existing = dtensor_params(model)
+    if tp_plan == "auto" and (not replica or topology.size(replica) == 1) and not existing:
+        return None  # 'auto' on a mesh without tensor parallel: the model stays whole
     if tp_plan is None:
         tp_mesh = topology.submesh(replica[0]) if len(replica) == 1 else None
         for name, p in existing:
@@ -383,7 +390,17 @@ def check_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> dict[st
             f"parameter {existing[0][0]!r} is already a DTensor: the model was already tensor parallel; "
             "give parallelize() a model with plain parameters, or drop tp_plan"
         )
-    plan = tp_plan(model) if callable(tp_plan) else tp_plan
+    if isinstance(tp_plan, str):
+        if tp_plan != "auto":
+            raise ParallelError(f"tp_plan={tp_plan!r}: the only string is 'auto' (the Hugging Face model's own plan)")
+        from meshwise.parallel.hf import hf_tp_plan
+
+        tp = topology.size(replica[0])
+        if tp == 1:  # one script runs anywhere: nothing to shard over a single rank
+            return None
+        plan = hf_tp_plan(model, tp)
+    else:
+        plan = tp_plan(model) if callable(tp_plan) else tp_plan
     if not isinstance(plan, Mapping):
         raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
     from torch.distributed.tensor.parallel import ParallelStyle

@@ -22,7 +22,16 @@ import torch.nn as nn
 from meshwise.errors import ParallelError
 from meshwise.topology import Topology, resolve
 
-__all__ = ["ContextAttention", "attention", "context_parallel", "describe", "runs_of", "score_elements"]
+__all__ = [
+    "ContextAttention",
+    "attention",
+    "check_attention_routed",
+    "context_parallel",
+    "describe",
+    "runs_of",
+    "score_elements",
+    "unrouted_attention",
+]
 
 ENTRY_POINT = "context_attention"  # the attribute of a model's attention modules that context_parallel sets
 
@@ -220,6 +229,62 @@ class ContextAttention:
         return f"ContextAttention({self.description})"
 
 
+_CALLS_SDPA: dict[type, bool] = {}
+
+
+def _calls_sdpa(cls: type) -> bool:
+    """Whether ``cls.forward``'s own source calls ``scaled_dot_product_attention`` (cached per class)."""
+    if cls not in _CALLS_SDPA:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            source = ""
+        _CALLS_SDPA[cls] = "scaled_dot_product_attention" in source
+    return _CALLS_SDPA[cls]
+
+
+def _plain_attention(module: nn.Module) -> bool:
+    """An attention module without meshwise's entry point: it attends to whatever tokens it is given."""
+    if hasattr(module, ENTRY_POINT):
+        return False
+    cls = type(module)
+    hf = cls.__module__.startswith("transformers.") and cls.__name__.endswith("Attention")
+    return isinstance(module, nn.MultiheadAttention) or hf or _calls_sdpa(cls)
+
+
+def unrouted_attention(model: nn.Module) -> list[str]:
+    """Names of ``model``'s attention modules that would attend only to this rank's tokens under a split dim.
+
+    Routed: a ``context_attention`` entry point that :func:`context_parallel` set. Unrouted: that entry point
+    still ``None``, ``nn.MultiheadAttention``, a transformers attention class, or a module whose ``forward``
+    calls ``F.scaled_dot_product_attention`` itself — each sees only its rank's part of every window.
+    """
+    found = []
+    for name, m in model.named_modules():
+        if (hasattr(m, ENTRY_POINT) and getattr(m, ENTRY_POINT) is None) or _plain_attention(m):
+            found.append(name or type(m).__name__)
+    return found
+
+
+def check_attention_routed(model: nn.Module, topology: Topology | None = None) -> None:
+    """Refuse, under a split dim of size > 1, a model with attention not routed through meshwise's attention.
+
+    Such attention runs without error on token-split parts and gives a wrong loss (each rank attends only to its
+    own chunks), so it is refused before the first step.
+    """
+    topology = resolve(topology)
+    if topology.size(topology.split_dims) == 1:
+        return
+    bad = unrouted_attention(model)
+    if bad:
+        raise ParallelError(
+            f"the mesh splits tokens over {list(topology.split_dims)}, but {type(model).__name__}'s attention "
+            f"module(s) {bad[:4]}{' ...' if len(bad) > 4 else ''} would attend only to this rank's part of every "
+            "window (a silently wrong loss): call meshwise.parallel.context.context_parallel(model, topo) first "
+            f"(its attention modules declare `{ENTRY_POINT} = None` and call it when set), or drop the split dim"
+        )
+
+
 def _require_positions(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
         raise ParallelError(
@@ -255,6 +320,13 @@ def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim:
         raise ParallelError(
             f"{type(model).__name__}.forward takes no `positions`: under context parallel the model needs the "
             "global positions of its tokens (position embeddings, the causal mask): add a positions=None argument"
+        )
+    others = [n or type(m).__name__ for n, m in model.named_modules() if _plain_attention(m)]
+    if others:
+        raise ParallelError(
+            f"{type(model).__name__}'s attention module(s) {others[:4]} have no `{ENTRY_POINT}` entry point, so "
+            "under context parallel they would attend only to this rank's tokens: route them through "
+            f"`self.{ENTRY_POINT}(q, k, v, positions)` too"
         )
     attn = ContextAttention(topology, dim)
     for m in attention_modules:

@@ -1,0 +1,188 @@
+"""A Hugging Face Llama under parallelize(tp_plan="auto") at dp=2 x tp=2 trains like one process; sizes that do not
+divide, bad plans and attention that a token split would silently break are refused."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from meshwise.testing import run_distributed
+
+pytest.importorskip("transformers")
+
+BATCH, T, STEPS, LR = 4, 8, 4, 1e-2
+
+
+def llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(0)  # the same full weights on every rank, then sharded
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 64, (BATCH, T), generator=g) for _ in range(STEPS)]
+
+
+def train(model: nn.Module, rows: slice) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in batches():
+        # every row holds T valid labels: each data rank's mean, averaged by FSDP2, is the global mean
+        loss = model(input_ids=ids[rows], labels=ids[rows]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _dp2_tp2(topo) -> dict:
+    from torch.distributed.tensor import DTensor, Shard
+
+    import meshwise
+
+    full = llama()
+    ref = copy.deepcopy(full)
+    train(ref, slice(None))
+    model = meshwise.parallelize(full, topo, tp_plan="auto", dp="fsdp")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    tp_index = q.device_mesh.mesh_dim_names.index("tp")
+    n = BATCH // topo.data_size
+    train(model, slice(topo.data_rank * n, (topo.data_rank + 1) * n))
+    ref_params = dict(ref.named_parameters())
+    diff = 0.0
+    for name, p in model.named_parameters():
+        whole = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        diff = max(diff, (whole - ref_params[name].detach()).abs().max().item())
+    return {
+        "diff": diff,
+        "q_tp_sharded": isinstance(q.placements[tp_index], Shard),
+        "local_q_rows": q.to_local().shape[0],
+    }
+
+
+def test_llama_dp2_tp2_auto_plan_matches_one_process():
+    results = run_distributed(_dp2_tp2, 4, mesh={"dp": 2, "tp": 2}, timeout=120)
+    print("max parameter difference per rank:", [r["diff"] for r in results])
+    for r in results:
+        assert r["q_tp_sharded"], r
+        assert r["diff"] <= 1e-12, r
+
+
+class FakeTopology:
+    """Just the fields the pre-sharding checks read: they raise before any collective."""
+
+    def __init__(self, **sizes: int) -> None:
+        self.sizes = sizes
+        self.replica_dims = tuple(d for d in sizes if d == "tp")
+        self.split_dims = tuple(d for d in sizes if d == "cp")
+        self.stage_dims = ()
+        self.metric_dims = tuple(d for d in sizes if d == "dp")
+
+    def size(self, dims) -> int:
+        return math.prod(self.sizes[d] for d in ([dims] if isinstance(dims, str) else dims))
+
+
+def test_auto_plan_translation_and_tp4_refusal():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    import meshwise
+    from meshwise.errors import ParallelError
+    from meshwise.parallel.hf import hf_tp_plan
+
+    model = llama()
+    plan = hf_tp_plan(model, 2)
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
+    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    assert isinstance(plan["lm_head"], ColwiseParallel)
+    with pytest.raises(ParallelError, match=r"num_key_value_heads=2.*among \[1, 2\]"):
+        meshwise.parallelize(model, FakeTopology(dp=1, tp=4), tp_plan="auto")
+    with pytest.raises(ParallelError, match="only string is 'auto'"):
+        meshwise.parallelize(model, FakeTopology(dp=1, tp=2), tp_plan="colwise")
+    with pytest.raises(ParallelError, match="not a transformers PreTrainedModel"):
+        hf_tp_plan(nn.Linear(2, 2), 2)
+
+
+def test_bad_auto_plans_are_refused():
+    from meshwise.errors import ParallelError
+    from meshwise.parallel.hf import hf_tp_plan
+
+    model = llama()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.nope": "colwise"}
+    with pytest.raises(ParallelError, match="'model.layers.\\*.self_attn.nope', which matches no submodule"):
+        hf_tp_plan(model, 2)
+    model = llama()
+    model._tp_plan = {**model._tp_plan, "model.layers.*.mlp.up_proj": "frobnicate"}
+    with pytest.raises(ParallelError, match="style 'frobnicate'.*known"):
+        hf_tp_plan(model, 2)
+    model = llama()
+    model._tp_plan = {**model._tp_plan, "model.norm": "colwise"}
+    with pytest.raises(ParallelError, match="'model.norm' is a LlamaRMSNorm"):
+        hf_tp_plan(model, 2)
+
+
+def test_gpt2_conv1d_is_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from meshwise.errors import ParallelError
+    from meshwise.parallel.hf import hf_tp_plan
+
+    model = GPT2LMHeadModel(
+        GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0)
+    )
+    model._tp_plan = {"transformer.h.*.attn.c_attn": "colwise"}  # whatever GPT-2 declares, Conv1D is the catch
+    with pytest.raises(ParallelError, match="Conv1D"):
+        hf_tp_plan(model, 2)
+
+
+def test_token_split_refuses_attention_not_routed_through_meshwise():
+    import meshwise
+    from meshwise.errors import ParallelError
+    from meshwise.parallel.context import check_attention_routed, context_parallel, unrouted_attention
+
+    model = llama()
+    assert unrouted_attention(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    with pytest.raises(ParallelError, match=r"model.layers.0.self_attn.*context_parallel"):
+        meshwise.parallelize(model, FakeTopology(dp=2, cp=2))
+    with pytest.raises(ParallelError, match="nn.MultiheadAttention|self_attn|'0'"):
+        check_attention_routed(nn.Sequential(nn.MultiheadAttention(8, 2)), FakeTopology(dp=1, cp=2))
+    check_attention_routed(model, FakeTopology(dp=4, cp=1))  # no token split: nothing to refuse
+    check_attention_routed(nn.Sequential(nn.Linear(2, 2)), FakeTopology(cp=2))  # no attention at all
+
+    class Entry(nn.Module):
+        context_attention = None
+
+        def forward(self, x, positions=None):
+            return x
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.routed, self.plain = Entry(), nn.MultiheadAttention(8, 2)
+
+        def forward(self, x, positions=None):
+            return self.routed(x, positions)
+
+    fake = SimpleNamespace(size=lambda dims: 1, stage_dims=(), split_dims=())
+    with pytest.raises(ParallelError, match=r"\['plain'\] have no `context_attention`"):
+        context_parallel(Mixed(), fake)
+    with pytest.raises(ParallelError, match=r"\['routed'\]"):  # the entry point declared but never set
+        check_attention_routed(nn.ModuleDict({"routed": Entry()}), FakeTopology(cp=2))
