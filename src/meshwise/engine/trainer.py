@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,9 +28,14 @@ from meshwise.parallel.apply import (
 from meshwise.parallel.precision import check_trainer_precision, precision_of
 from meshwise.topology import Topology, resolve
 
-__all__ = ["LossWeight", "TrainStep", "create_trainer"]
+__all__ = ["IGNORE_INDEX", "LossWeight", "TrainStep", "create_trainer"]
 
 LossWeight = str | Callable[[Batch], int | float | torch.Tensor]
+
+IGNORE_INDEX = -100
+"""The target value that ``loss_weight="labels"`` does not count: PyTorch's and Hugging Face's ``ignore_index``."""
+
+_WEIGHTS = ("samples", "tokens", "labels")
 
 
 def _check_options(
@@ -44,10 +49,35 @@ def _check_options(
         raise MeshwiseError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
     if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
         raise MeshwiseError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
-    if not (callable(loss_weight) or loss_weight in ("samples", "tokens")):
-        raise MeshwiseError(f"loss_weight must be 'samples', 'tokens' or a function of the batch, got {loss_weight!r}")
-    if loss_weight == "tokens" and target_key is None:
-        raise MeshwiseError("loss_weight='tokens' counts the elements of batch[target_key]: set target_key")
+    if not (callable(loss_weight) or loss_weight in _WEIGHTS):
+        raise MeshwiseError(
+            f"loss_weight must be 'samples', 'tokens', 'labels' or a function of the batch, got {loss_weight!r}"
+        )
+    if loss_weight in ("tokens", "labels") and target_key is None:
+        raise MeshwiseError(f"loss_weight={loss_weight!r} counts the elements of batch[target_key]: set target_key")
+
+
+def loss_input(output: Any) -> Any:
+    """What ``loss_fn`` gets of the model's output: a transformers ``ModelOutput``'s ``logits``, else the output.
+
+    A ``ModelOutput`` is a Mapping with ``to_tuple`` (no transformers import needed); plain dicts pass
+    through unchanged, since a user's own dict output is the user's convention.
+    """
+    if isinstance(output, Mapping) and hasattr(output, "to_tuple") and "logits" in output:
+        return output["logits"]
+    return output
+
+
+def _refuse_ignored(target: Any, loss_weight: str) -> None:
+    """A -100 target under a weighting that counts it means a silently wrong mean: stop, naming the fix."""
+    if isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == IGNORE_INDEX).any()):
+        unit = "sample" if loss_weight == "samples" else "target element"
+        raise MeshwiseError(
+            f"batch targets hold ignored labels ({IGNORE_INDEX}) but loss_weight={loss_weight!r} weights each "
+            f"micro-batch's mean by its {unit} count, so ranks with more ignored labels would weigh too much: "
+            "use loss_weight='labels' (the mean over the non-ignored labels of the whole global batch, as "
+            "Hugging Face's num_items_in_batch) with a loss_fn that returns the mean over its non-ignored labels"
+        )
 
 
 def _check_placement(model: nn.Module, topo: Topology) -> None:
@@ -137,11 +167,15 @@ class TrainStep:
         return loss
 
     def count_of(self, micro: Batch) -> float:
-        """How many units (samples, tokens, or the user's count) ``micro``'s mean loss is over."""
+        """How many units (samples, tokens, non-ignored labels, or the user's count) ``micro``'s mean loss is over."""
+        if self.loss_weight in ("samples", "tokens") and self.target_key is not None:
+            _refuse_ignored(micro.get(self.target_key), self.loss_weight)
         if self.loss_weight == "samples":
             return float(row_count(micro, self.input_key))
         if self.loss_weight == "tokens":
             return float(micro[self.target_key].numel())
+        if self.loss_weight == "labels":
+            return float((micro[self.target_key] != IGNORE_INDEX).sum())
         value = self.loss_weight(micro)
         return float(value.item() if isinstance(value, torch.Tensor) else value)
 
@@ -199,11 +233,15 @@ class TrainStep:
             else:  # every rank must still run forward/backward (collectives inside); weight 0
                 micro, empty = take_rows(micro, n, slice(0, 1)), True
         count = 0.0 if empty else self.count_of(micro)
+        if not count and self.loss_weight == "labels":
+            # A mean over no labels is 0/0: NaN gradients even at weight 0. Label class 0 keeps the loss finite;
+            # the weight stays 0, yet the forward and backward (and their collectives) still run on every rank.
+            micro = {**micro, self.target_key: torch.zeros_like(micro[self.target_key])}
         if self.no_sync:
             self.model.set_requires_gradient_sync(last)
         with self.step_context():
             with self.precision.autocast():
-                output = self.forward(self.model, micro)
+                output = loss_input(self.forward(self.model, micro))
             loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
             check_scalar_loss(loss)
             scale = count * self.data_parallel / self.reference * (self.scaler.scale if self.scaler else 1.0)
@@ -268,8 +306,11 @@ def create_trainer(
     ``output = forward(model, micro)`` (default ``model(micro[input_key])``) and
     ``loss = loss_fn(output, micro[target_key])`` (``loss_fn(output, micro)`` when ``target_key`` is None),
     inside ``step_context()`` if given (e.g. ``torch.distributed.tensor.parallel.loss_parallel``), then
-    backward. ``loss_fn`` must return the mean over the units that ``loss_weight`` counts:
-    ``"samples"`` (rows), ``"tokens"`` (elements of the target) or ``callable(micro) -> count``.
+    backward. A transformers ``ModelOutput`` reaches ``loss_fn`` as its ``logits``. ``loss_fn`` must return
+    the mean over the units that ``loss_weight`` counts: ``"samples"`` (rows), ``"tokens"`` (elements of
+    the target), ``"labels"`` (target elements other than ``IGNORE_INDEX`` (-100), Hugging Face's
+    ``num_items_in_batch``: targets must already be aligned with the logits, i.e. shifted) or
+    ``callable(micro) -> count``. ``"samples"``/``"tokens"`` refuse targets holding -100 (MeshwiseError).
     Gradients are those of the mean over the *global* batch; with ``grad_clip`` they are clipped by
     their global norm (``norm_type``) across every mesh. Nothing is moved except to ``topology.device``.
 

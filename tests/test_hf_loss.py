@@ -1,0 +1,167 @@
+"""``loss_weight="labels"``: the causal-LM loss as Hugging Face means it (mean over the non-ignored labels of
+the whole global batch) matches one float64 process on dp=4 and dp=2 x tp=2; -100 labels under the sample
+or token weighting are refused; a transformers ``ModelOutput`` reaches ``loss_fn`` as its logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import meshwise
+from meshwise.errors import MeshwiseError
+from meshwise.testing import run_distributed
+
+V, D, T, GLOBAL_BATCH, STEPS, ACCUMULATION = 24, 8, 6, 8, 4, 2
+
+
+class TinyCausalLM(nn.Module):
+    """Embedding, one MLP block and a vocab head; returns a transformers ``ModelOutput`` like an HF model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.head = nn.Linear(D, V)
+
+    def forward(self, input_ids: torch.Tensor):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        x = self.embed(input_ids)
+        x = x + self.fc2(F.gelu(self.fc1(x)))
+        return CausalLMOutput(logits=self.head(x))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's mean over its non-ignored (already shifted) labels."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def global_batches() -> list[dict[str, torch.Tensor]]:
+    """Shifted labels with -100 in uneven amounts: rows 2-3 (one micro-batch of dp=4's rank 1) score nothing."""
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, V, (GLOBAL_BATCH, T + 1), generator=g)
+        labels = tokens[:, 1:].clone()
+        ignore = torch.rand(GLOBAL_BATCH, T, generator=g) < torch.linspace(0.0, 0.8, GLOBAL_BATCH)[:, None]
+        labels[ignore] = -100
+        if step % 2 == 0:
+            labels[2:4] = -100
+        out.append({"input": tokens[:, :-1], "target": labels})
+    return out
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyCausalLM().double()
+    start = copy.deepcopy(model.state_dict())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for b in global_batches():
+        loss = causal_lm_loss(model(b["input"]).logits, b["target"])  # one process: mean over all scored labels
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"start": start, "end": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _train(topo: meshwise.Topology, start: dict, tp: bool) -> tuple[nn.Module, list[float]]:
+    """Train from ``start`` on ``topo``; the model and each step's global loss."""
+    from ignite.engine import Events
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
+
+    full = TinyCausalLM().double()
+    full.load_state_dict(start)
+    if tp:
+        plan = {
+            "fc1": ColwiseParallel(),
+            "fc2": RowwiseParallel(),
+            "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        }
+        model = meshwise.parallelize(full, topo, tp_plan=plan, dp="fsdp")
+    else:
+        model = meshwise.parallelize(full, topo, dp="fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    trainer = meshwise.create_trainer(
+        model,
+        opt,
+        causal_lm_loss,
+        topo,
+        loss_weight="labels",
+        accumulation_steps=ACCUMULATION,
+        step_context=loss_parallel if tp else None,
+    )
+    losses: list[float] = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: losses.append(e.state.output))
+    n = GLOBAL_BATCH // topo.data_size
+    lo = topo.data_rank * n
+    trainer.run([{k: v[lo : lo + n] for k, v in b.items()} for b in global_batches()], max_epochs=1)
+    return model, losses
+
+
+def _both_meshes(reference: dict) -> dict:
+    """On 4 ranks: dp=4, then dp=2 x tp=2 on the same process group; max parameter difference of each."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo")  # meshwise adopts it, so shutdown() keeps it for the second mesh
+    out = {}
+    for name, mesh, tp in (("dp4", {"dp": 4}, False), ("dp2tp2", {"dp": 2, "tp": 2}, True)):
+        topo = meshwise.init(mesh)
+        try:
+            model, losses = _train(topo, reference["start"], tp)
+            end = reference["end"]
+            out[name] = max(
+                ((p.full_tensor() if isinstance(p, DTensor) else p.detach()) - end[k]).abs().max().item()
+                for k, p in model.named_parameters()
+            )
+            out[name + "_losses"] = losses
+        finally:
+            meshwise.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_distributed(_both_meshes, 4, _reference(), timeout=120)
+
+
+def test_labels_weighting_matches_one_process_on_dp_and_tp(ranks):
+    for r in ranks:
+        assert r["dp4"] <= 1e-12 and r["dp2tp2"] <= 1e-12, r
+        assert r["dp4_losses"] == ranks[0]["dp4_losses"] and all(x == x for x in r["dp4_losses"]), r  # no NaN
+
+
+def test_ignored_labels_under_count_weightings_are_refused_and_empty_micro_is_finite():
+    topo = meshwise.init({"dp": 1})
+    try:
+        torch.manual_seed(0)
+        model = TinyCausalLM().double()
+        batch = global_batches()[0]
+        for weight in ("samples", "tokens"):
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            trainer = meshwise.create_trainer(model, opt, causal_lm_loss, topo, loss_weight=weight)
+            with pytest.raises(MeshwiseError, match="loss_weight='labels'"):
+                trainer.run([batch], max_epochs=1)
+        # integer targets without -100 keep the sample weighting working as before
+        clean = {"input": batch["input"], "target": batch["input"].roll(-1, 1)}
+        trainer = meshwise.create_trainer(model, torch.optim.AdamW(model.parameters()), causal_lm_loss, topo)
+        trainer.run([clean], max_epochs=1)
+        assert trainer.state.loss_count == GLOBAL_BATCH
+        # a micro-batch with no scored label weighs 0 and leaves no NaN
+        before = [p.detach().clone() for p in model.parameters()]
+        partly = {"input": batch["input"], "target": batch["target"].clone()}
+        partly["target"][: GLOBAL_BATCH // 2] = -100
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        trainer = meshwise.create_trainer(model, opt, causal_lm_loss, topo, loss_weight="labels", accumulation_steps=2)
+        trainer.run([partly], max_epochs=1)
+        assert trainer.state.loss_count == float((partly["target"] != -100).sum())
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        assert any((p - b).abs().max() > 0 for p, b in zip(model.parameters(), before))
+    finally:
+        meshwise.shutdown()
