@@ -1,4 +1,4 @@
-"""Topology-aware data: a global-cursor sampler, per-rank sample parts, replica read strategies, map-style sources."""
+"""Topology-aware data: a global-cursor sampler, per-rank sample parts, replica reads, map-style and stream sources."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from meshwise.data.packing import pack
 from meshwise.data.parts import Replicate, Shard, chunk_bounds, from_placements, parts_of
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, Source
+from meshwise.data.streaming import MeshStreamLoader
 
 # What users call; the part arithmetic (FieldPart, resolve_part, as_dtensor, largest_halo) stays in meshwise.data.parts.
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "MeshDataLoader",
     "MeshSampleLoader",
     "MeshSampler",
+    "MeshStreamLoader",
     "Replicate",
     "Shard",
     "Source",

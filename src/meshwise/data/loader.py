@@ -23,6 +23,7 @@ from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
 from meshwise.data.sampler import MeshSampler
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
+from meshwise.data.streaming import MeshStreamLoader, is_streaming
 from meshwise.dryrun import active, note_loader
 from meshwise.errors import DataError, DataWarning
 from meshwise.topology import Topology, resolve
@@ -375,7 +376,7 @@ def mesh_dataloader(
     read: str = "each",
     num_workers: int = 0,
     **kwargs: Any,
-) -> MeshDataLoader | MeshSampleLoader:
+) -> MeshDataLoader | MeshSampleLoader | MeshStreamLoader:
     """A loader that gives this rank ``global_batch_size // topology.data_size`` samples a step, parts only.
 
     ``mode="train"``: a permutation per (seed, epoch), last partial batch dropped or (``drop_last=False``)
@@ -387,7 +388,22 @@ def mesh_dataloader(
 
     A map-style torch ``Dataset`` or a ``datasets.Dataset`` gets a :class:`MeshSampleLoader` instead: samples
     read by index and joined by ``collate_fn`` (default :func:`meshwise.data.pad_collate`), ``read="each"``.
+    A torch ``IterableDataset`` or a ``datasets.IterableDataset`` gets a :class:`MeshStreamLoader`: the stream
+    divided by data rank, read in order, with an exact resume at the same data size.
     """
+    if is_streaming(dataset):
+        return MeshStreamLoader(
+            dataset,
+            topology,
+            global_batch_size=global_batch_size,
+            mode=mode,
+            seed=seed,
+            drop_last=drop_last,
+            parts=parts,
+            read=read,
+            num_workers=num_workers,
+            **kwargs,
+        )
     # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
     if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
         return MeshSampleLoader(
