@@ -308,6 +308,10 @@ def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim:
             "pipeline hands later stages activations without their tokens' positions, which the causal mask needs; "
             "use a mesh with either a stage dim or a token split dim"
         )
+    from meshwise.parallel.hf import hf_context_parallel, is_hf_model
+
+    if is_hf_model(model):  # transformers' own attention, routed through its AttentionInterface
+        return hf_context_parallel(model, ContextAttention(topology, dim))
     attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
     if not attention_modules:
         raise ParallelError(

@@ -143,3 +143,82 @@ def hf_tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
         for key in [k for k in plan if all(isinstance(m, nn.Embedding) for _, m in _plan_modules(model, k))]:
             del plan[key]
     return plan
+
+
+# --------------------------------------------------------------------------- context parallel
+
+ATTN_IMPLEMENTATION = "meshwise_cp"  # the name registered with transformers' AttentionInterface
+
+
+def _meshwise_cp_attention(
+    module: nn.Module,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_ids: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function signature over meshwise's context-parallel attention.
+
+    The mask transformers built is ignored: meshwise's attention is causal by the tokens' true positions,
+    which a split window's local mask cannot express.
+    """
+    from meshwise.parallel.context import ENTRY_POINT, attention
+
+    attn = getattr(module, ENTRY_POINT, None)
+    if attn is None:
+        raise ParallelError(
+            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} without meshwise's attention: "
+            "call meshwise.parallel.context.context_parallel(model, topo) on the model first"
+        )
+    if position_ids is None:
+        raise ParallelError(
+            f"{type(module).__name__} runs under context parallel without position_ids: call the model with "
+            "model(input_ids=batch['input'], position_ids=batch['positions'])"
+        )
+    if dropout:
+        raise ParallelError(f"attention dropout {dropout} under context parallel is not supported: set it to 0")
+    groups = query.shape[1] // key.shape[1]  # grouped-query attention: each kv head serves `groups` query heads
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = attention(query, key, value, position_ids, attn.topology, dim=attn.dim, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs.get("position_ids") is None:
+        raise ParallelError(
+            f"{type(module).__name__} runs under context parallel: each rank holds only part of every window, so "
+            "call it with its tokens' global positions, model(input_ids=..., position_ids=batch['positions'])"
+        )
+
+
+def hf_context_parallel(model: nn.Module, attn: Any) -> nn.Module:
+    """Route a transformers model's attention through meshwise's context-parallel attention ``attn``.
+
+    Registers :data:`ATTN_IMPLEMENTATION` with transformers' ``AttentionInterface`` (and the sdpa mask for it),
+    points the config at it, and gives each attention module the ``context_attention`` entry point.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from meshwise.parallel.context import ENTRY_POINT
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _meshwise_cp_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    modules = [
+        m
+        for m in model.modules()
+        if type(m).__module__.startswith("transformers.") and type(m).__name__.endswith("Attention")
+    ]
+    if not modules:
+        raise ParallelError(f"{type(model).__name__} has no transformers attention module to route")
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        config._attn_implementation = ATTN_IMPLEMENTATION
+    for m in modules:
+        setattr(m, ENTRY_POINT, attn)
+    model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+    return model
