@@ -329,7 +329,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
             "--nproc-per-node 4\n"
             "  plot      draw a run's curves:            meshwise plot runs/gpt\n"
-            "  export    one plain state_dict file:      meshwise export runs/gpt/checkpoints model.pt",
+            "  export    one plain state_dict file:      meshwise export runs/gpt/checkpoints model.pt\n"
+            "            or a Hugging Face folder:       meshwise export runs/gpt/checkpoints hf/ --hf "
+            "--config config.json",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

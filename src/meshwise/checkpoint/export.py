@@ -21,7 +21,7 @@ from meshwise.checkpoint.protocol import LATEST, MARKER, META
 from meshwise.checkpoint.validation import check_shards, read_record
 from meshwise.errors import CheckpointError
 
-__all__ = ["export", "main", "run_cli"]
+__all__ = ["export", "main", "read_model", "run_cli"]
 
 
 def _folder(src: Path) -> Path:
@@ -57,23 +57,15 @@ def _model_key(path: Path, meta: dict[str, Any], key: str) -> str:
     return key
 
 
-def export(
-    checkpoint: str | os.PathLike, out_file: str | os.PathLike, key: str = "model", *, overwrite: bool = False
-) -> Path:
-    """Write the model ``key`` of ``checkpoint`` as one ``torch.save`` file of plain, whole tensors.
+def read_model(checkpoint: str | os.PathLike, key: str = "model") -> dict[str, Any]:
+    """The model ``key`` of ``checkpoint`` as whole tensors at their global shapes, keyed by the model's own FQNs.
 
-    ``checkpoint``: a checkpoint folder (``root/step-N`` or a :class:`MeshSaver` folder) or a checkpoint root (its
-    ``latest``, else its newest folder). The keys are the model's own FQNs (as the unwrapped model's
-    ``state_dict()`` has them), so ``model.load_state_dict(torch.load(out_file))`` works in one process without
-    meshwise. An existing ``out_file`` is refused unless ``overwrite=True``; the file appears whole or not at all.
+    One process, no process group; see :func:`export` for what ``checkpoint`` may name.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    out = Path(out_file)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
     path = _folder(Path(checkpoint))
     key = _model_key(path, read_record(path, {}), key)
     check_shards(path)
@@ -95,6 +87,23 @@ def export(
             dcp_load({key: target}, storage_reader=FileSystemReader(str(path)), no_dist=True)
     except Exception as exc:
         raise CheckpointError(f"reading {key!r} from {path} failed: {exc}") from exc
+    return target
+
+
+def export(
+    checkpoint: str | os.PathLike, out_file: str | os.PathLike, key: str = "model", *, overwrite: bool = False
+) -> Path:
+    """Write the model ``key`` of ``checkpoint`` as one ``torch.save`` file of plain, whole tensors.
+
+    ``checkpoint``: a checkpoint folder (``root/step-N`` or a :class:`MeshSaver` folder) or a checkpoint root (its
+    ``latest``, else its newest folder). The keys are the model's own FQNs (as the unwrapped model's
+    ``state_dict()`` has them), so ``model.load_state_dict(torch.load(out_file))`` works in one process without
+    meshwise. An existing ``out_file`` is refused unless ``overwrite=True``; the file appears whole or not at all.
+    """
+    out = Path(out_file)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
+    target = read_model(checkpoint, key)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
     os.close(fd)
@@ -108,14 +117,26 @@ def export(
 
 
 def run_cli(argv: list[str], prog: str = "python -m meshwise.checkpoint.export") -> int:
-    """The command line ``SRC OUT [--key model] [--overwrite]``; raises :class:`CheckpointError` (for ``meshwise``'s
-    own console script to report)."""
+    """The command line ``SRC OUT [--key model] [--overwrite] [--hf --config PATH]``; raises :class:`CheckpointError`
+    (for ``meshwise``'s own console script to report). With ``--hf``, OUT is a folder that
+    ``from_pretrained`` reads (see :func:`meshwise.checkpoint.hf_folder.export_hf`)."""
     p = argparse.ArgumentParser(prog=prog, description="Write one plain state_dict file from a meshwise checkpoint.")
     p.add_argument("src", help="a checkpoint folder, or a checkpoint root (its latest)")
     p.add_argument("out", help="the file to write (torch.save of a plain state_dict)")
     p.add_argument("--key", default="model", help="the saved object to export (default: model)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--hf", action="store_true", help="write OUT as a Hugging Face folder (config.json + safetensors)")
+    p.add_argument("--config", default=None, help="with --hf: the model's config.json, or a folder holding one")
     a = p.parse_args(argv)
+    if a.hf:
+        from meshwise.checkpoint.hf_folder import export_hf
+
+        if a.config is None:
+            p.error("--hf needs --config PATH (the model's config.json, or a folder holding one)")
+        if a.overwrite:
+            p.error("--hf never overwrites: pass an empty or new folder as OUT")
+        print(f"wrote {export_hf(a.src, a.out, config=a.config, key=a.key)}")
+        return 0
     print(f"wrote {export(a.src, a.out, a.key, overwrite=a.overwrite)}")
     return 0
 
