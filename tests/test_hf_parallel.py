@@ -239,3 +239,18 @@ def test_token_split_refuses_attention_not_routed_through_meshwise():
         context_parallel(Mixed(), fake)
     with pytest.raises(ParallelError, match=r"\['routed'\]"):  # the entry point declared but never set
         check_attention_routed(nn.ModuleDict({"routed": Entry()}), FakeTopology(cp=2))
+
+
+def test_hf_model_under_context_parallel_refuses_labels_and_missing_positions():
+    # The calls a user ported from a one-process HF script would make: labels= (shifted inside each rank's
+    # chunk, wrong across chunk borders) and no position_ids (RoPE would number each chunk from 0).
+    from meshwise.errors import ParallelError
+    from meshwise.parallel.hf import hf_context_parallel
+
+    model = hf_context_parallel(llama(), attn=object())  # the hooks fire before any attention runs
+    ids = torch.zeros(1, T, dtype=torch.long)
+    positions = torch.arange(T)[None]
+    with pytest.raises(ParallelError, match="labels= under context parallel.*loss_weight='labels'"):
+        model(input_ids=ids, position_ids=positions, labels=ids)
+    with pytest.raises(ParallelError, match="position_ids"):
+        model(input_ids=ids)

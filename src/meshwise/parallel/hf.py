@@ -189,6 +189,15 @@ def _meshwise_cp_attention(
 
 
 def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    if kwargs.get("labels") is not None:
+        # HF shifts labels inside the model, within this rank's chunk of each window: the chunk's last token
+        # would be paired with the first of the next chunk it does not hold (2.2e-3 off one process, silently)
+        raise ParallelError(
+            f"{type(module).__name__} was called with labels= under context parallel, where each rank holds only "
+            "chunks of every window and the model's own shift pairs tokens across chunk borders: shift the labels "
+            "before the token split (a 'target' field, -100 where nothing is scored), call the model without "
+            "labels, and train with loss_weight='labels' on its logits (docs/hf.md)"
+        )
     if kwargs.get("position_ids") is None:
         raise ParallelError(
             f"{type(module).__name__} runs under context parallel: each rank holds only part of every window, so "
