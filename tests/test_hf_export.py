@@ -1,6 +1,6 @@
-"""export_hf / ``meshwise export --hf``: a Llama trained under FSDP2 at dp=2, saved by the Checkpointer, exported to
-a Hugging Face folder that ``from_pretrained`` loads with bit-equal logits; key mismatches and occupied folders are
-refused."""
+"""export_hf / ``meshwise export --hf`` and load_hf: a Llama trained under FSDP2 at dp=2, saved by the
+Checkpointer, exported to a Hugging Face folder that ``from_pretrained`` loads with bit-equal logits and that load_hf
+reads back into a sharded model; key mismatches and occupied folders are refused."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def _train_and_save(topo, roots: dict) -> dict:
     from transformers import LlamaForCausalLM
 
     import meshwise
+    from meshwise.checkpoint import export_hf, load_hf
 
     out = {}
     for tied, root in roots.items():
@@ -49,6 +50,16 @@ def _train_and_save(topo, roots: dict) -> dict:
         ck.close()
         with torch.no_grad():
             out[tied] = model(input_ids=IDS).logits  # FSDP2 gathers: the whole model's logits on every rank
+        # and back in: rank 0 exports, then every rank loads its shards of it into a fresh sharded model
+        folder = f"{root}-hf"
+        if topo.rank == 0:
+            export_hf(root, folder, config=llama_config(tied))
+        torch.distributed.barrier()
+        torch.manual_seed(1)
+        fresh = meshwise.parallelize(LlamaForCausalLM(llama_config(tied)).to(torch.float64), topo, dp="fsdp")
+        load_hf(folder, fresh)
+        with torch.no_grad():
+            out[f"loaded-{tied}"] = fresh(input_ids=IDS).logits
     return out
 
 
@@ -58,6 +69,9 @@ def saved(tmp_path_factory):
     roots = {tied: str(base / f"tied-{tied}") for tied in (False, True)}
     logits = run_distributed(_train_and_save, 2, roots, mesh={"dp": 2}, timeout=120)
     assert torch.equal(logits[0][False], logits[1][False])
+    for r in logits:  # load_hf into a sharded model at dp=2 gives the trained model's logits
+        for tied in (False, True):
+            assert torch.equal(r[f"loaded-{tied}"], r[tied])
     return roots, logits[0]
 
 
@@ -100,6 +114,24 @@ def test_sharded_export_and_the_command_line(saved, tmp_path):
         assert torch.equal(model(input_ids=IDS).logits, logits[False])
     assert run_cli([roots[False], str(tmp_path / "cli"), "--hf", "--config", str(tmp_path / "cfg")]) == 0
     assert (tmp_path / "cli" / "model.safetensors").is_file() and (tmp_path / "cli" / "config.json").is_file()
+
+
+def test_load_hf_in_one_process_and_its_refusals(saved, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from meshwise.checkpoint import load_hf
+    from meshwise.errors import CheckpointError
+
+    roots, logits = saved
+    model = LlamaForCausalLM(llama_config(True)).to(torch.float64)
+    load_hf(f"{roots[True]}-hf", model)  # the folder the launch exported
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, logits[True])
+    untied = LlamaForCausalLM(llama_config(False)).to(torch.float64)
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
+        load_hf(f"{roots[True]}-hf", untied)
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_hf(tmp_path, untied)
 
 
 def test_refusals_write_nothing(saved, tmp_path):

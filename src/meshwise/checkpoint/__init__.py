@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from meshwise.checkpoint.checkpointer import Checkpointer, CheckpointInfo
 from meshwise.checkpoint.export import export
-from meshwise.checkpoint.hf_folder import export_hf
+from meshwise.checkpoint.hf_folder import export_hf, load_hf
 from meshwise.checkpoint.ignite_saver import MeshSaver, check_ignite_checkpoints
 
-__all__ = ["CheckpointInfo", "Checkpointer", "MeshSaver", "check_ignite_checkpoints", "export", "export_hf"]
+__all__ = ["CheckpointInfo", "Checkpointer", "MeshSaver", "check_ignite_checkpoints", "export", "export_hf", "load_hf"]

@@ -2,7 +2,8 @@
 
 ``export_hf(checkpoint, out_dir, config=...)`` reads the model's whole tensors in one process (as
 :func:`meshwise.checkpoint.export.export` does), checks their names against the model class the config names, and
-writes ``model.safetensors`` (or numbered shards with ``model.safetensors.index.json`` past ``max_shard_size``).
+writes ``model.safetensors`` (or numbered shards with ``model.safetensors.index.json`` past ``max_shard_size``);
+``load_hf(folder, model)`` is the way back in: such a folder (or a ``save_pretrained`` one) into a sharded model.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from meshwise.checkpoint.export import read_model
 from meshwise.errors import CheckpointError
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "load_hf"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -150,3 +151,42 @@ def export_hf(
     for p in written:  # config.json last: a folder with config.json is complete
         os.replace(p, out / p.name[1 : -len(".partial")])
     return out
+
+
+def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> None:
+    """Load a safetensors folder (``save_pretrained``'s or :func:`export_hf`'s) into ``model``, sharded or not.
+
+    Call it on every rank after ``parallelize()``: DCP's ``HuggingFaceStorageReader`` reads, on each rank, only the
+    slices of each tensor its shards hold. Keys are the model's own names; one missing from the folder (except a
+    tied alias such as ``lm_head.weight``) or left over in it is a :class:`CheckpointError` naming them, raised
+    before anything is read.
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = Path(folder)
+    if not path.is_dir() or not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"no *.safetensors in {path}: pass a folder written by save_pretrained or export_hf")
+    state = get_model_state_dict(model)
+    saved = set(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata)
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            aliases.add(name)  # shares a tensor with an earlier key: save_pretrained writes it once
+        else:
+            first[id(tensor)] = name
+    missing = sorted(n for n in state if n not in saved and n not in aliases)
+    unexpected = sorted(saved - set(state))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}; "
+            "load it into the model class and config it was saved from"
+        )
+    try:
+        dcp_load({n: t for n, t in state.items() if n in saved}, storage_reader=HuggingFaceStorageReader(str(path)))
+    except Exception as exc:
+        raise CheckpointError(f"reading {path} failed: {exc}") from exc
+    # The DCP load filled the state's tensors; setting them back is what makes it hold for every wrapper.
+    set_model_state_dict(model, state)
