@@ -391,41 +391,7 @@ def mesh_dataloader(
     A torch ``IterableDataset`` or a ``datasets.IterableDataset`` gets a :class:`MeshStreamLoader`: the stream
     divided by data rank, read in order, with an exact resume at the same data size.
     """
-    if is_streaming(dataset):
-        return MeshStreamLoader(
-            dataset,
-            topology,
-            global_batch_size=global_batch_size,
-            mode=mode,
-            seed=seed,
-            drop_last=drop_last,
-            parts=parts,
-            read=read,
-            num_workers=num_workers,
-            **kwargs,
-        )
-    # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
-    if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
-        return MeshSampleLoader(
-            dataset,
-            topology,
-            global_batch_size=global_batch_size,
-            mode=mode,
-            seed=seed,
-            drop_last=drop_last,
-            parts=parts,
-            read=read,
-            num_workers=num_workers,
-            **kwargs,
-        )
-    if "collate_fn" in kwargs:
-        raise DataError(
-            "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "
-            "post-process the batch dict instead"
-        )
-    return MeshDataLoader(
-        dataset,
-        topology,
+    options = dict(
         global_batch_size=global_batch_size,
         mode=mode,
         seed=seed,
@@ -435,3 +401,14 @@ def mesh_dataloader(
         num_workers=num_workers,
         **kwargs,
     )
+    if is_streaming(dataset):
+        return MeshStreamLoader(dataset, topology, **options)
+    # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
+    if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
+        return MeshSampleLoader(dataset, topology, **options)
+    if "collate_fn" in kwargs:
+        raise DataError(
+            "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "
+            "post-process the batch dict instead"
+        )
+    return MeshDataLoader(dataset, topology, **options)
