@@ -79,7 +79,13 @@ def check_microbatches(microbatches: int, rows: int, schedule: str, ranks: int, 
 
 def pipeline_units(model: nn.Module) -> list[str]:
     """The pieces a cut may separate, in order: the model's children, containers (``ModuleList``,
-    ``ModuleDict``, ``Sequential``) opened one level (``"blocks.0"``, ``"blocks.1"``, ...)."""
+    ``ModuleDict``, ``Sequential``) opened one level (``"blocks.0"``, ``"blocks.1"``, ...). A Hugging Face
+    decoder-only model cuts inside its base model instead: ``model.embed_tokens``, ``model.layers.0`` ...,
+    ``model.norm``, ``lm_head`` (:mod:`meshwise.parallel.hf_pipeline`)."""
+    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_units
+
+    if hf_decoder_parts(model) is not None:
+        return hf_units(model)
     units = []
     for name, child in model.named_children():
         if isinstance(child, _CONTAINERS) and len(child):
@@ -117,8 +123,11 @@ def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[li
             f"{stages} pipeline stages but {type(model).__name__} has only {len(units)} pieces to cut ({units}): "
             "use fewer stages (a smaller pp, or fewer stages_per_rank) or split the model into more blocks"
         )
+    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_default_cuts
+
     if cut is None:
-        starts = _default_cuts(model, units, stages)
+        hf = hf_decoder_parts(model) is not None
+        starts = hf_default_cuts(model, stages) if hf else _default_cuts(model, units, stages)
     else:
         starts = list(cut(list(units), stages) if callable(cut) else cut)
         if isinstance(cut, str) or not all(isinstance(s, str) for s in starts):
@@ -132,7 +141,7 @@ def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[li
     if missing:
         raise ParallelError(
             f"cut names {missing}, which is not a piece of {type(model).__name__} a stage can start at: use names "
-            f"from {units} (children, and the items of its ModuleList/ModuleDict/Sequential containers)"
+            f"from {units} (the pieces pipeline_units lists, in model order)"
         )
     positions = [units.index(s) for s in starts]
     if positions != sorted(set(positions)) or (positions and positions[0] == 0):
@@ -151,6 +160,10 @@ def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
     ``Sequential`` root, where it is removed; a dropped container item is removed, so iterating the
     container runs the kept items in order and their names keep their original keys.
     """
+    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_stage
+
+    if hf_decoder_parts(model) is not None:
+        return hf_stage(model, keep)
     stage = copy.deepcopy(model)
     for name, child in list(stage.named_children()):
         if isinstance(child, _CONTAINERS) and len(child):
@@ -178,6 +191,22 @@ def _check_root(model: nn.Module) -> None:
 # --------------------------------------------------------------------------- the model a rank holds
 
 
+def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
+    """Register ``module`` under ``root`` at dotted ``path``, making plain ``nn.Module`` shells on the way.
+
+    Shells, not the stage's own containers: two local stages (interleaved) each hold part of one container,
+    and neither stage's copy may gain the other's pieces (it would run them).
+    """
+    *parents, leaf = path.split(".")
+    node = root
+    for name in parents:
+        if node._modules.get(name) is None:
+            node.add_module(name, nn.Module())
+        node = node._modules[name]
+    if leaf not in node._modules:  # rotary embeddings: every stage has a copy, without parameters
+        node.add_module(leaf, module)
+
+
 class PipelineModel(nn.Module):
     """This rank's pipeline stages as one module whose parameter names are the full model's.
 
@@ -199,6 +228,10 @@ class PipelineModel(nn.Module):
     ) -> None:
         super().__init__()
         for module in stage_modules:
+            if hasattr(module, "pieces"):  # an HF decoder stage: pieces nest below the base model
+                for path, piece in module.pieces():
+                    _attach(self, path, piece)
+                continue
             for name, child in module.named_children():  # None (a piece of another stage) is skipped
                 if not isinstance(child, _CONTAINERS):
                     self.add_module(name, child)
