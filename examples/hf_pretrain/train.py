@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--double", action="store_true", help="float64 model (resume checks to 1e-12)")
+    p.add_argument(
+        "--streaming",
+        action="store_true",
+        help="stream the shards (load_dataset(streaming=True)): one padded document a row, no packing",
+    )
     return p.parse_args(argv)
 
 
@@ -74,9 +79,9 @@ def to_bytes(batch: dict) -> dict:
     return {"input_ids": [list(t.encode()) for t in batch["text"]]}
 
 
-def load_corpus(run_dir: Path, topo: meshwise.Topology):
-    """The tokenised ``datasets.Dataset``. Rank 0 writes the shards and fills the HF cache first, so the other
-    ranks only read the cache instead of racing to write it."""
+def load_corpus(run_dir: Path, topo: meshwise.Topology, streaming: bool = False):
+    """The tokenised ``datasets.Dataset`` (or ``IterableDataset`` when streaming). Rank 0 writes the shards and
+    fills the HF cache first, so the other ranks only read the cache instead of racing to write it."""
     import datasets
 
     datasets.disable_progress_bars()  # per-rank bars would drown the step lines
@@ -87,15 +92,25 @@ def load_corpus(run_dir: Path, topo: meshwise.Topology):
         if topo.is_leader() == turn:
             if turn:
                 write_corpus(run_dir / "data")
-            ds = datasets.load_dataset("json", data_files=paths, split="train", cache_dir=str(run_dir / "hf_cache"))
+            cache = str(run_dir / "hf_cache")
+            ds = datasets.load_dataset("json", data_files=paths, split="train", cache_dir=cache, streaming=streaming)
             ds = ds.map(to_bytes, batched=True, remove_columns=["text"])
         topo.barrier()
     return ds
 
 
+def to_shifted(sample: dict, block_size: int) -> dict:
+    """Streaming: one document a row, cut to block_size + 1 bytes; labels are the next bytes (already shifted,
+    as loss_weight="labels" wants), and pad_collate pads them with -100 so padding is never scored."""
+    ids = sample["input_ids"][: block_size + 1]
+    return {"input_ids": ids[:-1], "labels": ids[1:]}
+
+
 def as_lm_batch(batch: dict) -> dict:
     """A packed row of block_size + 1 tokens: the input is its first block_size, the target the next."""
     ids = batch["input_ids"]
+    if "labels" in batch:  # streaming: the rows are already shifted and padded
+        return {**batch, "input": ids, "target": batch["labels"]}
     return {**batch, "input": ids[:, :-1], "target": ids[:, 1:]}
 
 
@@ -118,9 +133,14 @@ def main(argv: list[str] | None = None) -> list[float]:
     run_dir = Path(args.run_dir)
     tp = topo.size(topo.replica_dims) if topo.replica_dims else 1
 
-    # ---- data: documents of any length, packed into rows of exactly block_size + 1 tokens
-    docs = load_corpus(run_dir, topo)
-    rows = pack(docs, seq_len=args.block_size + 1)
+    # ---- data: documents of any length, packed into rows of exactly block_size + 1 tokens; or, streaming, one
+    # document a row padded to the batch's longest (pad_collate, the stream loader's default collate)
+    docs = load_corpus(run_dir, topo, args.streaming)
+    if args.streaming:
+        docs = docs.filter(lambda d: len(d["input_ids"]) >= 2)  # a label needs a next byte
+        rows = docs.map(to_shifted, fn_kwargs={"block_size": args.block_size}, remove_columns=["input_ids"])
+    else:
+        rows = pack(docs, seq_len=args.block_size + 1)
     loader = mesh_dataloader(rows, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed)
 
     # ---- model: the example GPT, sharded by its TP plan over tp and FSDP2 over dp
@@ -133,7 +153,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         optimizer,
         token_loss,
         topo,
-        loss_weight="tokens",  # the mean over every target token of the global batch, as one process
+        # the mean over every scored target token of the global batch, as one process (padding is -100)
+        loss_weight="labels" if args.streaming else "tokens",
         step_context=lambda: loss_context(tp),
         prepare=as_lm_batch,
     )
@@ -147,7 +168,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         start = trainer.state.iteration
     stop = min(args.steps, args.stop_at) if args.stop_at else args.steps
     if topo.is_leader():
-        print(f"{len(docs)} documents, {len(rows)} packed rows of {args.block_size + 1}; steps {start}-{stop}")
+        what = "streamed documents" if args.streaming else f"{len(rows)} packed rows of {args.block_size + 1}"
+        print(f"{what}; steps {start}-{stop}", flush=True)
 
     # ---- the loop: trainer.run drives the steps; each one prints its global-batch loss on rank 0
     losses: list[float] = []
@@ -158,10 +180,16 @@ def main(argv: list[str] | None = None) -> list[float]:
         if topo.is_leader():
             print(f"step {engine.state.iteration} loss {losses[-1]!r}", flush=True)
 
-    # a full pass moves the cursor on by itself; the epoch number keeps the shuffle of the next pass fresh
-    trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: loader.set_epoch(e.state.epoch))
+    if args.streaming:
+        # A stream has no length, and ignite's engine cannot restore a state whose epoch_length is unknown: the
+        # whole run is one ignite epoch of --steps steps (the stream itself must hold that many batches).
+        run_options = {"epoch_length": args.steps}
+    else:
+        # a full pass moves the cursor on by itself; the epoch number keeps the shuffle of the next pass fresh
+        trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: loader.set_epoch(e.state.epoch))
+        run_options = {}
     if stop > start:
-        trainer.run(loader, max_iters=stop)
+        trainer.run(loader, max_iters=stop, **run_options)
         checkpointer.save(trainer.state.iteration, **state)
     checkpointer.close()  # every rank: the checkpoint is committed and "latest" points at it
     if topo.is_leader():
