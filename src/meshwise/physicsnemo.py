@@ -1,6 +1,6 @@
 """PhysicsNeMo interop: adopt DistributedManager's mesh as the topology and convert loaded tiles to/from ShardTensor.
 
-Three calls, each checked, never assumed (docs/physicsnemo.md):
+Four calls, each checked, never assumed (docs/physicsnemo.md):
 
 * :func:`initialize_manager` starts ``DistributedManager`` on CPU too (its own ``initialize()`` passes
   ``device_id=cpu`` to ``init_process_group``, which torch rejects with a ``ValueError`` it does not catch);
@@ -8,7 +8,9 @@ Three calls, each checked, never assumed (docs/physicsnemo.md):
   the topology's mesh to the manager), so both name the same ranks and groups;
 * :func:`to_shard_tensor` / :func:`from_shard_tensor` turn a tile read by ``mesh_dataloader`` with ``Shard``
   parts (uneven, halo stripped) into a ``ShardTensor`` with explicit uneven ``sharding_shapes``, and back,
-  without communication.
+  without communication;
+* :func:`require_shard_ops` refuses to go on when PhysicsNeMo's ShardTensor op patches are off (CPU), where a
+  conv on a ShardTensor would silently skip the halo.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 from meshwise.data.parts import FieldPart, chunk_bounds
-from meshwise.errors import DataError, TopologyError
+from meshwise.errors import DataError, ParallelError, TopologyError
 from meshwise.topology import Topology, current, init
 
-__all__ = ["adopt", "from_shard_tensor", "initialize_manager", "to_shard_tensor"]
+__all__ = ["adopt", "from_shard_tensor", "initialize_manager", "require_shard_ops", "to_shard_tensor"]
 
 
 def _manager_class() -> Any:
@@ -292,3 +294,22 @@ def _current_or_error() -> Topology:
     if topology is None:
         raise TopologyError("no meshwise topology: call meshwise.physicsnemo.adopt(...) first, or pass topology=")
     return topology
+
+
+def require_shard_ops() -> None:
+    """Raise unless PhysicsNeMo's ShardTensor op patches (halo conv, ...) are registered in this process.
+
+    ``physicsnemo.domain_parallel`` registers them at import only when CUDA is available. Without them a conv
+    on a ``ShardTensor`` runs DTensor's default rule: no halo and ``Replicate`` placements over the local tile,
+    a silently wrong result (docs/physicsnemo.md). Call this before computing on ShardTensors.
+    """
+    import torch.nn.functional as F
+    from physicsnemo.domain_parallel import ShardTensor
+
+    if F.conv2d not in getattr(ShardTensor, "_function_registry", {}):
+        raise ParallelError(
+            "PhysicsNeMo's ShardTensor op patches are not registered (it registers them only when CUDA is "
+            "available): a conv on a ShardTensor would skip the halo and return wrong values. Call "
+            "physicsnemo.domain_parallel.register_custom_ops() first (it imports PhysicsNeMo's optional deps, "
+            "e.g. termcolor and timm), or compute on the local tiles with meshwise.parallel.halo_exchange"
+        )
