@@ -178,7 +178,7 @@ def test_map_style_resume_at_another_dp_size():
 def test_map_style_errors():
     topo = layout_topology({"dp": 1}, 0)
 
-    # streams are taken by mesh_dataloader's streaming path (tests/test_data_streaming.py)
+    # streams are taken by mesh_dataloader's streaming path (tests/test_streaming_sources.py)
     with pytest.raises(DataError, match="one split"):
         mesh_dataloader(datasets.DatasetDict({"train": _hf()}), topo, global_batch_size=1)
     with pytest.raises(DataError, match="read='each'"):
