@@ -1,8 +1,11 @@
 """Context parallel on the GPT example's model: balanced token parts + meshwise attention equal one process.
 
-One launch of 4 gloo processes runs every mesh in turn (dp=4 -> dp=2 x cp=2 -> cp=2 x tp=2 -> cp=2 on 2 ranks ->
-one process), each against a one-process fp64 reference trained on the same global batches; the bad inputs
-are checked in this process (they fail before any collective).
+One launch of 4 gloo processes runs every mesh in turn (dp=4 -> dp=2 x cp=2 -> cp=2 x tp=2 -> cp=4 -> cp=2 on 2
+ranks -> one process), each against a one-process fp64 reference trained on the same global batches; the
+all-gather attention trains dp=2 x cp=2, the ring cp=2 x tp=2, cp=4 and cp=2. At cp=2 and cp=4 both kinds of
+attention are also compared, forward and backward, with one process's SDPA over whole windows (balanced chunks
+of odd length, contiguous odd chunks, shuffled tokens; causal and not). The bad inputs are checked in this
+process (they fail before any collective), except unequal parts (a collective finds them, on every rank).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def _diff(model, ref: dict, grads: bool = False) -> float:
     return worst
 
 
-def _build(topo, cp: bool):
+def _build(topo, cp: bool, kind: str = "auto"):
     """The GPT example's model, context parallel when the mesh has a split dim, placed by meshwise, and its trainer."""
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -96,7 +99,7 @@ def _build(topo, cp: bool):
 
     model = _model()
     if cp:
-        context_parallel(model, topo)
+        context_parallel(model, topo, kind=kind)
     tp = topo.sizes.get("tp", 1)
     model = meshwise.parallelize(model, topo, tp_plan=gpt.tp_plan if tp > 1 else None, fsdp_units=gpt.Block)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
@@ -116,14 +119,16 @@ def _build(topo, cp: bool):
     return model, opt, trainer, loader, val_loader
 
 
-def _train(topo, cp: bool, steps: int, ref, ckpt: str | None = None, load: str | None = None) -> dict:
+def _train(
+    topo, cp: bool, steps: int, ref, ckpt: str | None = None, load: str | None = None, kind: str = "auto"
+) -> dict:
     """Train ``steps`` steps (after loading ``load``, if given); compare losses, gradients, parameters."""
     from ignite.engine import Events
 
     import meshwise
 
     losses, grads, params, _ = ref
-    model, opt, trainer, loader, _ = _build(topo, cp)
+    model, opt, trainer, loader, _ = _build(topo, cp, kind)
     seen: list[float] = []
     trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append(e.state.output))
     start = 0
@@ -176,6 +181,59 @@ def _held_out(topo, ref) -> dict:
     return {"loss": abs(float(loss) - ref[3][0]), "tokens": float(tokens), "ref_tokens": ref[3][1]}
 
 
+def _layouts(k: int) -> dict[str, list[torch.Tensor]]:
+    """Each split rank's positions, several ways: balanced chunks of odd length, contiguous odd chunks, shuffled."""
+    from meshwise.data.parts import balanced_bounds
+
+    out = {}
+    for c in (3, 5):  # balanced, chunks of c tokens: windows of 2k * c
+        out[f"balanced{c}"] = [
+            torch.cat([torch.arange(a, b) for a, b in balanced_bounds(2 * k * c, k, i)]) for i in range(k)
+        ]
+    out["contiguous3"] = list(torch.arange(3 * k).chunk(k))
+    out["shuffled5"] = list(torch.randperm(5 * k, generator=torch.Generator().manual_seed(k)).chunk(k))
+    return out
+
+
+def _attention_checks(topo) -> dict:
+    """Both kinds of attention at this mesh's cp size against one process's SDPA: largest differences, fp64.
+
+    The ring scores queries in tiles of 2 rows here (``Q_TILE``), so tiles also cut runs and partly masked ones
+    hold rows with no key yet. Then unequal parts (rank 0 one token more): refused on every rank alike.
+    """
+    from meshwise.parallel import ring
+    from meshwise.parallel.context import attention
+
+    k, me = topo.size("cp"), topo.coordinate("cp")
+    worst = {"ring": 0.0, "gather": 0.0}
+    tile, ring.Q_TILE = ring.Q_TILE, 2
+    try:
+        for parts in _layouts(k).values():
+            pos, window = parts[me], sum(len(p) for p in parts)
+            for causal in (True, False):
+                torch.manual_seed(window)
+                q, kk, v, g = (torch.randn(2, 3, window, 4, dtype=torch.float64) for _ in range(4))
+                full = [t.clone().requires_grad_() for t in (q, kk, v)]
+                ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+                ref.backward(g)
+                for kind in worst:
+                    mine = [t[:, :, pos].clone().requires_grad_() for t in (q, kk, v)]
+                    out = attention(*mine, pos, topo, is_causal=causal, kind=kind)
+                    out.backward(g[:, :, pos])
+                    diffs = [(out - ref[:, :, pos]).abs().max().item()]
+                    diffs += [(m.grad - f.grad[:, :, pos]).abs().max().item() for m, f in zip(mine, full)]
+                    worst[kind] = max(worst[kind], *diffs)
+    finally:
+        ring.Q_TILE = tile
+    n = 3 if me == 0 else 2
+    try:
+        attention(*(torch.zeros(1, 1, n, 4, dtype=torch.float64) for _ in range(3)), torch.arange(n), topo, kind="ring")
+        worst["unequal"] = "no error"
+    except ParallelError as e:
+        worst["unequal"] = str(e)
+    return worst
+
+
 def _init(mesh: dict, world: int | None = None):
     import meshwise
 
@@ -194,16 +252,21 @@ def _phases(root: str) -> dict:
     out["dp4"] = _train(topo, False, STEPS, ref, ckpt=f"{root}/dp4")
     meshwise.shutdown()
     topo = _init({"dp": 2, "cp": 2})
-    out["dp2cp2"] = _train(topo, True, STEPS, ref)
+    out["dp2cp2"] = _train(topo, True, STEPS, ref)  # windows of 16 tokens: "auto" all-gathers
     out["dp4->dp2cp2"] = _train(topo, True, 1, ref, load=f"{root}/dp4")
     out["held_out"] = _held_out(topo, ref)
+    out["attention_cp2"] = _attention_checks(topo)
     meshwise.shutdown()
     topo = _init({"cp": 2, "tp": 2})
-    out["cp2tp2"] = _train(topo, True, STEPS, ref)
+    out["cp2tp2"] = _train(topo, True, STEPS, ref, kind="ring")
+    meshwise.shutdown()
+    topo = _init({"cp": 4})
+    out["cp4"] = _train(topo, True, STEPS, ref, kind="ring")
+    out["attention_cp4"] = _attention_checks(topo)
     meshwise.shutdown()
     if rank < 2:
         topo = _init({"cp": 2}, world=2)
-        out["cp2"] = _train(topo, True, STEPS, ref, ckpt=f"{root}/cp2")
+        out["cp2"] = _train(topo, True, STEPS, ref, ckpt=f"{root}/cp2", kind="ring")
         meshwise.shutdown()
     if rank == 0:
         os.environ["RANK"] = os.environ["LOCAL_RANK"] = "0"
@@ -219,12 +282,28 @@ def phases(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", ["dp2cp2", "cp2tp2", "cp2"])
+@pytest.mark.parametrize("mesh", ["dp2cp2", "cp2tp2", "cp4", "cp2"])
 def test_training_equals_one_process(phases, mesh):
     ranks = [p[mesh] for p in phases if mesh in p]
     for r in ranks:
         assert r["loss"] <= 1e-12 and r["grad"] <= 1e-12 and r["param"] <= 1e-12, r
         assert r["cursor"] == STEPS * GLOBAL_BATCH
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_and_gather_attention_equal_one_process(phases, cp):
+    for p in phases:
+        r = p[f"attention_cp{cp}"]
+        assert r["ring"] <= 1e-12 and r["gather"] <= 1e-12, r
+
+
+@pytest.mark.slow
+def test_unequal_parts_refused_on_every_rank(phases):
+    for p in phases:
+        for cp, counts in ((2, [3, 2]), (4, [3, 2, 2, 2])):
+            assert f"split ranks hold {counts} tokens" in p[f"attention_cp{cp}"]["unequal"], p
+            assert "Shard(0, balanced=True)" in p[f"attention_cp{cp}"]["unequal"]
 
 
 @pytest.mark.slow

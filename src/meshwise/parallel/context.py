@@ -1,11 +1,13 @@
 """Context parallel: attention over token windows split along a ``split`` dim, exact, forward and backward.
 
 Each rank holds the queries, keys and values of its own tokens (e.g. the loader's balanced chunks,
-``Shard(0, balanced=True)``) and their global positions. Keys and values are all-gathered over the split group
-once per call and put in token order; each run of consecutive local positions attends to the keys up to its
-end (causal), saving only q, the gathered K/V, the output and the log-sum-exp; backward recomputes the scores
-and sums the key/value gradients back to their owners. torch's ``context_parallel`` is not used
-(docs/context.md says why).
+``Shard(0, balanced=True)``) and their global positions. Two kinds, one result: ``"gather"`` all-gathers K and V
+over the split group once per call and puts them in token order; each run of consecutive local positions attends
+to the keys up to its end (causal), saving only q, the gathered K/V, the output and the log-sum-exp; backward
+recomputes the scores and sums the key/value gradients back to their owners. ``"ring"``
+(:mod:`meshwise.parallel.ring`) passes K/V blocks around the group instead, so no rank holds the whole window's
+K/V. ``"auto"`` (the default) takes the ring for windows longer than ``ring_above`` tokens. torch's
+``context_parallel`` is not used (docs/context.md says why).
 """
 
 from __future__ import annotations
@@ -20,11 +22,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshwise.errors import ParallelError
+from meshwise.parallel.ring import ring_attention
 from meshwise.topology import Topology, resolve
 
 __all__ = [
+    "KINDS",
+    "RING_ABOVE",
     "ContextAttention",
     "attention",
+    "attention_kind",
     "check_attention_routed",
     "context_parallel",
     "describe",
@@ -34,6 +40,53 @@ __all__ = [
 ]
 
 ENTRY_POINT = "context_attention"  # the attribute of a model's attention modules that context_parallel sets
+KINDS = ("auto", "ring", "gather")
+RING_ABOVE = 2048  # kind="auto": windows longer than this many tokens take the ring (docs/context.md: why)
+
+
+def attention_kind(window: int, size: int, kind: str = "auto", ring_above: int = RING_ABOVE) -> str:
+    """The attention that runs, ``"ring"`` or ``"gather"``, for a ``window`` of tokens split over ``size`` ranks."""
+    _check_kind(kind, ring_above)
+    if kind == "auto":
+        return "ring" if size > 1 and window > ring_above else "gather"
+    return kind
+
+
+def _check_kind(kind: str, ring_above: int) -> None:
+    if kind not in KINDS:
+        raise ParallelError(f"context-parallel attention kind={kind!r}: choose one of {list(KINDS)}")
+    if isinstance(ring_above, bool) or not isinstance(ring_above, int) or ring_above < 0:
+        raise ParallelError(
+            f"context-parallel attention ring_above={ring_above!r}: give a window length in tokens, an int >= 0 "
+            f"(default {RING_ABOVE}; 0 takes the ring for every window)"
+        )
+
+
+def _gather_positions(positions: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    """Every split rank's positions in group order (``[size * n]``), checked to be ``0..T-1`` once each."""
+    if size > 1:
+        n = torch.tensor([positions.numel()], dtype=torch.int64, device=positions.device)
+        counts = [torch.empty_like(n) for _ in range(size)]
+        dist.all_gather(counts, n, group=group)
+        counts = [int(c) for c in counts]
+        if len(set(counts)) > 1:  # every rank sees the same counts: the same verdict everywhere, no hang
+            raise ParallelError(
+                f"context-parallel attention: the split ranks hold {counts} tokens of the window; each must hold "
+                f"the same number (T / {size}) so K/V blocks of one size can pass between them: load the token "
+                f"fields with Shard(0, balanced=True) and a window length divisible by {2 * size}"
+            )
+        parts = [torch.empty_like(positions) for _ in range(size)]
+        dist.all_gather(parts, positions.contiguous(), group=group)
+        gathered = torch.cat(parts)
+    else:
+        gathered = positions
+    if not torch.equal(torch.sort(gathered).values, torch.arange(gathered.numel(), device=gathered.device)):
+        raise ParallelError(
+            f"context-parallel attention: the positions of the split ranks' tokens are not 0..{gathered.numel() - 1} "
+            f"once each (got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
+            "Shard(0, balanced=True) (or Shard(0)) on the token fields, the same on every rank of the split group"
+        )
+    return gathered
 
 
 def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -41,16 +94,8 @@ def _layout(positions: torch.Tensor, gathered: torch.Tensor) -> tuple[torch.Tens
 
     A run is local rows ``[start, start + b - a)`` holding the consecutive positions ``[a, b)``.
     """
-    n = gathered.numel()
-    perm = torch.argsort(gathered)
-    if not torch.equal(gathered[perm], torch.arange(n, device=gathered.device)):
-        raise ParallelError(
-            f"context-parallel attention: the positions of the split ranks' tokens are not 0..{n - 1} once each "
-            f"(got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
-            "Shard(0, balanced=True) (or Shard(0)) on the token fields, the same on every rank of the split group"
-        )
     peers = gathered.view(-1, positions.numel()).tolist()
-    return perm, runs_of(positions.tolist(), peers)
+    return torch.argsort(gathered), runs_of(positions.tolist(), peers)
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -95,17 +140,13 @@ def _scores(q: torch.Tensor, k: torch.Tensor, a: int, b: int, causal: bool, scal
 
 class _ContextAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, positions, group, me, causal, scale):  # type: ignore[override]
+    def forward(ctx, q, k, v, positions, gathered, group, me, causal, scale):  # type: ignore[override]
         size = dist.get_world_size(group) if group is not None else 1
         kv = torch.cat([k, v], dim=-1).contiguous()
         if size > 1:
             parts = [torch.empty_like(kv) for _ in range(size)]
             dist.all_gather(parts, kv, group=group)
-            pos_parts = [torch.empty_like(positions) for _ in range(size)]
-            dist.all_gather(pos_parts, positions.contiguous(), group=group)
-            kv, gathered = torch.cat(parts, dim=-2), torch.cat(pos_parts)
-        else:
-            gathered = positions
+            kv = torch.cat(parts, dim=-2)
         perm, runs = _layout(positions, gathered)
         kv = kv.index_select(-2, perm)  # token order
         d = k.shape[-1]
@@ -144,7 +185,7 @@ class _ContextAttention(torch.autograd.Function):
             dist.all_reduce(dkv, group=ctx.group)
         n = q.shape[-2]
         mine = dkv[..., ctx.me * n : (ctx.me + 1) * n, :]
-        return dq, mine[..., :d], mine[..., d:], None, None, None, None, None
+        return dq, mine[..., :d], mine[..., d:], None, None, None, None, None, None
 
 
 def _split_dim(topology: Topology, dim: str | None) -> str:
@@ -175,6 +216,8 @@ def attention(
     dim: str | None = None,
     is_causal: bool = True,
     scale: float | None = None,
+    kind: str = "auto",
+    ring_above: int = RING_ABOVE,
 ) -> torch.Tensor:
     """Attention of this rank's tokens to every token of the window, split over the split dim ``dim``.
 
@@ -183,9 +226,13 @@ def attention(
     ``[B, T_local]`` with equal rows (the loader's ``batch["positions"]``). The split ranks' positions together
     must be ``0..T-1`` once each, every rank with the same ``T_local``. Causal by the true positions
     (``is_causal=False``: every token sees the whole window). Equals one process's attention over the whole
-    window, forward and backward. Communication on ``topology.group(dim)``: one all-gather of K and V (and of
-    the positions) forward, one all-reduce of their gradients backward.
+    window, forward and backward. ``kind``: ``"gather"``, ``"ring"`` or ``"auto"`` (the ring for windows longer
+    than ``ring_above`` tokens, :func:`attention_kind`). Communication on ``topology.group(dim)``: two small
+    all-gathers of the token counts and positions, then for ``"gather"`` one all-gather of K and V forward and one
+    all-reduce of their gradients backward; for ``"ring"`` ``size - 1`` sends of a K/V block to the next rank
+    forward, ``size - 1`` K/V and ``size`` gradient sends backward.
     """
+    _check_kind(kind, ring_above)
     topology = resolve(topology)
     dim = _split_dim(topology, dim)
     if not (q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
@@ -208,22 +255,36 @@ def attention(
     group = topology.group(dim) if size > 1 else None
     me = dist.get_group_rank(group, dist.get_rank()) if group is not None else 0
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _ContextAttention.apply(q, k, v, positions.to(torch.int64), group, me, is_causal, scale)
+    positions = positions.to(torch.int64)
+    gathered = _gather_positions(positions, group, size)
+    if attention_kind(gathered.numel(), size, kind, ring_above) == "ring":
+        return ring_attention(q, k, v, positions, gathered, group, me, is_causal, scale)
+    return _ContextAttention.apply(q, k, v, positions, gathered, group, me, is_causal, scale)
 
 
 class ContextAttention:
     """The attention a model's attention modules call under context parallel: ``(q, k, v, positions) -> y``."""
 
-    def __init__(self, topology: Topology | None = None, dim: str | None = None) -> None:
+    def __init__(
+        self, topology: Topology | None = None, dim: str | None = None, kind: str = "auto", ring_above: int = RING_ABOVE
+    ) -> None:
+        _check_kind(kind, ring_above)
         self.topology = resolve(topology)
         self.dim = _split_dim(self.topology, dim)
+        self.kind, self.ring_above = kind, ring_above
+        how = {
+            "gather": "K/V all-gathered",
+            "ring": "K/V blocks passed around the ring",
+            "auto": f"K/V all-gathered for windows up to {ring_above} tokens, passed around a ring above",
+        }[kind]
+        name = {"gather": "all-gather", "ring": "ring", "auto": "context"}[kind]
         self.description = (
-            f"meshwise all-gather attention over {self.dim!r} ({self.topology.size(self.dim)} ranks: K/V "
-            "all-gathered, causal by true token positions)"
+            f"meshwise {name} attention over {self.dim!r} ({self.topology.size(self.dim)} ranks: {how}, causal by "
+            "true token positions)"
         )
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return attention(q, k, v, positions, self.topology, dim=self.dim)
+        return attention(q, k, v, positions, self.topology, dim=self.dim, kind=self.kind, ring_above=self.ring_above)
 
     def __repr__(self) -> str:
         return f"ContextAttention({self.description})"
@@ -294,13 +355,22 @@ def _require_positions(module: nn.Module, args: tuple, kwargs: dict) -> None:
         )
 
 
-def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim: str | None = None) -> nn.Module:
+def context_parallel(
+    model: nn.Module,
+    topology: Topology | None = None,
+    *,
+    dim: str | None = None,
+    kind: str = "auto",
+    ring_above: int = RING_ABOVE,
+) -> nn.Module:
     """Make ``model``'s attention attend across the split dim ``dim``; return ``model`` (changed in place).
 
     Every submodule with a ``context_attention`` attribute (the known entry point: ``None`` by default, called
-    as ``self.context_attention(q, k, v, positions)`` when set) gets a :class:`ContextAttention`. The model's
+    as ``self.context_attention(q, k, v, positions)`` when set) gets a :class:`ContextAttention` of ``kind``
+    (``"auto"``: the ring for windows longer than ``ring_above`` tokens, else the all-gather). The model's
     ``forward`` must take ``positions`` (its tokens' global positions); calling it without them then raises.
     """
+    _check_kind(kind, ring_above)
     topology = resolve(topology)
     if topology.size(topology.stage_dims) > 1:
         raise ParallelError(
@@ -311,6 +381,12 @@ def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim:
     from meshwise.parallel.hf import hf_context_parallel, is_hf_model
 
     if is_hf_model(model):  # transformers' own attention, routed through its AttentionInterface
+        if (kind, ring_above) != ("auto", RING_ABOVE):
+            raise ParallelError(
+                f"context_parallel(kind={kind!r}, ring_above={ring_above}) on a transformers model: its attention "
+                "route calls meshwise's attention with the defaults (kind='auto', ring above "
+                f"{RING_ABOVE} tokens), so the choice would be ignored: leave kind and ring_above at their defaults"
+            )
         return hf_context_parallel(model, ContextAttention(topology, dim))
     attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
     if not attention_modules:
@@ -332,7 +408,7 @@ def context_parallel(model: nn.Module, topology: Topology | None = None, *, dim:
             "under context parallel they would attend only to this rank's tokens: route them through "
             f"`self.{ENTRY_POINT}(q, k, v, positions)` too"
         )
-    attn = ContextAttention(topology, dim)
+    attn = ContextAttention(topology, dim, kind, ring_above)
     for m in attention_modules:
         setattr(m, ENTRY_POINT, attn)
     model.register_forward_pre_hook(_require_positions, with_kwargs=True)
