@@ -9,28 +9,28 @@ main process when a batch is handed out, so ``state_dict()`` never counts batche
 from __future__ import annotations
 
 import math
-import multiprocessing
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.mapped import MeshSampleLoader
-from meshwise.data.parts import FieldPart, PartSpec, as_dtensor, as_parts, resolve_part
-from meshwise.data.sampler import MeshSampler
+from meshwise.data.parts import FieldPart, PartSpec, as_parts, resolve_part
+from meshwise.data.sampler import READS, CursorLoader
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
 from meshwise.data.streaming import MeshStreamLoader, is_streaming
-from meshwise.dryrun import active, note_loader
+from meshwise.dryrun import note_loader
 from meshwise.errors import DataError, DataWarning
-from meshwise.topology import Topology, resolve
+from meshwise.topology import Topology
 
-__all__ = ["MeshDataLoader", "mesh_dataloader"]
+if TYPE_CHECKING:
+    from meshwise.data.mapped import MeshSampleLoader
 
-READS = ("each", "broadcast", "scatter")
+__all__ = ["READS", "MeshDataLoader", "balanced_positions", "mesh_dataloader"]
+
 _ALIGN = 64
 
 
@@ -151,10 +151,6 @@ def _warn_partial_reads(dataset: ArrayDataset, parts: Mapping[str, FieldPart], t
         )
 
 
-def _identity(x: Any) -> Any:
-    return x
-
-
 def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], dataset: ArrayDataset) -> set[str]:
     """The fields this rank reads: ``stage_fields["first"]`` on the first stage, ``["last"]`` on the last."""
     if not isinstance(stage_fields, Mapping) or set(stage_fields) - {"first", "last"}:
@@ -167,7 +163,7 @@ def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], 
     return {n for key, fields in lists.items() if wanted[key] for n in fields}
 
 
-def _balanced_positions(parts: Mapping[str, FieldPart], names: Sequence[str]) -> torch.Tensor | None:
+def balanced_positions(parts: Mapping[str, FieldPart], names: Sequence[str]) -> torch.Tensor | None:
     """The token positions of this rank's balanced parts (every balanced field must agree), or ``None``."""
     balanced = {n: p for n, p in parts.items() if p.balanced is not None}
     if not balanced:
@@ -196,7 +192,7 @@ def _balanced_positions(parts: Mapping[str, FieldPart], names: Sequence[str]) ->
     return part.positions()
 
 
-class MeshDataLoader:
+class MeshDataLoader(CursorLoader):
     """Iterate dict batches for this rank: fields ``[B_local, *part shape]``, ``valid`` (bool), ``index`` (int64).
 
     Build it with :func:`mesh_dataloader`. ``len()`` is the number of steps in an epoch (the same on every
@@ -222,14 +218,18 @@ class MeshDataLoader:
     ) -> None:
         if not isinstance(dataset, ArrayDataset):
             dataset = ArrayDataset(dataset)
-        if read not in READS:
-            raise DataError(f"read must be one of {READS}, got {read!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        topology = resolve(topology)
-        self.dataset, self.topology = dataset, topology
-        self.sampler = MeshSampler.from_topology(
-            topology, len(dataset), global_batch_size, mode=mode, seed=seed, drop_last=drop_last
+        self.dataset = dataset
+        topology = self._setup(
+            topology,
+            len(dataset),
+            global_batch_size=global_batch_size,
+            mode=mode,
+            seed=seed,
+            drop_last=drop_last,
+            read=read,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
         )
         parts = as_parts(parts, topology)  # a mapping, or a model that states its input_parts
         unknown = sorted(set(parts) - set(dataset.names))
@@ -237,52 +237,15 @@ class MeshDataLoader:
             raise DataError(f"parts names field(s) {unknown} that the dataset lacks; its fields are {dataset.names}")
         split = {d: (topology.coordinate(d), topology.size(d)) for d in topology.split_dims}
         mesh = topology.layout.dims_text()
-        self.parts: dict[str, FieldPart] = {
-            n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split, mesh) for n in dataset.names
-        }
+        self.parts = {n: resolve_part(n, parts.get(n), dataset.sample_shape(n), split, mesh) for n in dataset.names}
         if stage_fields is not None:  # pipeline stages read only the fields they use (docs/pipeline.md)
             self.parts = {n: p for n, p in self.parts.items() if n in _stage_reads(topology, stage_fields, dataset)}
         _warn_partial_reads(dataset, self.parts, topology)
-        self.positions = _balanced_positions(self.parts, dataset.names)
-        replica = topology.replica_dims
-        self.replica_size = topology.size(replica) if replica else 1
-        self.replica_rank = topology.coordinate(replica) if replica else 0
-        self.planned_read = read if self.replica_size > 1 else "each"
-        # a dry run has no peers to hand the shared batch over: each replica reads it (meshwise.dryrun)
-        self.read = self.planned_read if active() is None else "each"
-        self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
-        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
-            # Workers only read arrays through handles they reopen, so fork is safe; it is also fast, where an
-            # inherited forkserver/spawn default would start each worker from scratch (seconds a worker).
-            multiprocessing_context = "fork"
-        self.multiprocessing_context = multiprocessing_context
+        self.positions = balanced_positions(self.parts, dataset.names)
         self._reader = _BatchReader(dataset, self.parts)
-        self.bytes_read = 0
         note_loader(self)  # a dry run reports this loader's slice and parts (meshwise.dryrun)
         self._pool: list[np.ndarray] = []
         self._gathered: list[torch.Tensor] | None = None
-
-    # ---- sizes and state
-    @property
-    def local_batch_size(self) -> int:
-        return self.sampler.local_batch_size
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sampler.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sampler.load_state_dict(state)
-
-    def as_dtensor(self, tensor: torch.Tensor, name: str) -> Any:
-        """Field ``name`` of a batch as a DTensor over the split dims (halo stripped; no communication)."""
-        return as_dtensor(tensor, self.parts[name], self.topology)
 
     # ---- reading
     def _read_items(self, plan: list[np.ndarray]) -> list[np.ndarray] | None:
@@ -291,7 +254,7 @@ class MeshDataLoader:
             return None
         if self.read != "scatter":
             return plan
-        rows = -(-self.local_batch_size // self.replica_size)
+        rows = self._scatter_rows()
         items = []
         for local in plan:
             chunk = local[self.replica_rank * rows : (self.replica_rank + 1) * rows]
@@ -304,16 +267,7 @@ class MeshDataLoader:
         elif self.num_workers == 0:
             yield from (self._reader.read(i, self._free_buffer(self._reader.layout(len(i))[1])) for i in items)
         else:
-            loader = torch.utils.data.DataLoader(
-                self._reader,
-                batch_size=None,
-                sampler=items,
-                num_workers=self.num_workers,
-                collate_fn=_identity,
-                prefetch_factor=self.prefetch_factor,
-                multiprocessing_context=self.multiprocessing_context,
-            )
-            yield from ((buffer.numpy(), nbytes) for buffer, nbytes in loader)
+            yield from ((buffer.numpy(), nbytes) for buffer, nbytes in self._in_workers(self._reader, items))
 
     def _free_buffer(self, nbytes: int) -> np.ndarray:
         """A recycled batch buffer that no batch the user holds still points to (else a new one)."""
@@ -336,7 +290,7 @@ class MeshDataLoader:
                 buffer = np.empty(self._reader.layout(b)[1], dtype=np.uint8)
             dist.broadcast(torch.from_numpy(buffer), src=self._replica_ranks[0], group=group)
             return self._reader.tensors(buffer, b)
-        rows = -(-b // self.replica_size)
+        rows = self._scatter_rows()
         if self._gathered is None or len(self._gathered[0]) != len(buffer):
             # reused every step: the batch below is a copy (torch.cat), so nothing handed out points here
             self._gathered = [torch.empty(len(buffer), dtype=torch.uint8) for _ in range(self.replica_size)]
@@ -403,6 +357,8 @@ def mesh_dataloader(
     )
     if is_streaming(dataset):
         return MeshStreamLoader(dataset, topology, **options)
+    from meshwise.data.mapped import MeshSampleLoader  # mapped.py builds on this module
+
     # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
     if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
         return MeshSampleLoader(dataset, topology, **options)

@@ -3,22 +3,27 @@
 Pure arithmetic over ``(data_rank, data_size)``: it needs no process group, so every rank's view can be
 simulated in one process. The cursor counts *samples consumed* of the global order, so its state resumes on
 a mesh with another data-parallel size (or another global batch) and continues the same order.
+:class:`CursorLoader` is what the array and map-style loaders share on top of it: the cursor methods, the
+replica read strategy and the worker options.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+import multiprocessing
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
-__all__ = ["MODES", "MeshSampler"]
+__all__ = ["MODES", "READS", "CursorLoader", "MeshSampler"]
 
 MODES = ("train", "eval")
+READS = ("each", "broadcast", "scatter")
 
 
 class MeshSampler:
@@ -179,3 +184,108 @@ class MeshSampler:
             self.consumed = 0
             if self.mode == "train":
                 self.epoch += 1
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class CursorLoader:
+    """The part of a loader that rides on a :class:`MeshSampler`, written once for arrays and map-style sources.
+
+    It holds ``sampler`` (the global cursor), ``topology``, the read strategy of the replica group (``read``,
+    ``planned_read``, ``replica_size``, ``replica_rank``) and the worker options; subclasses read the batches.
+    """
+
+    sampler: MeshSampler
+    topology: Topology
+    parts: dict[str, Any]
+
+    def _setup(
+        self,
+        topology: Topology | None,
+        dataset_length: int,
+        *,
+        global_batch_size: int,
+        mode: str,
+        seed: int,
+        drop_last: bool,
+        read: str,
+        num_workers: int,
+        prefetch_factor: int | None,
+        multiprocessing_context: Any,
+    ) -> Topology:
+        """Check the options, build the sampler and the read plan; returns the resolved topology."""
+        from meshwise.dryrun import active
+
+        if read not in READS:
+            raise DataError(f"read must be one of {READS}, got {read!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        topology = resolve(topology)
+        self.topology = topology
+        self.sampler = MeshSampler.from_topology(
+            topology, dataset_length, global_batch_size, mode=mode, seed=seed, drop_last=drop_last
+        )
+        replica = topology.replica_dims
+        self.replica_size = topology.size(replica) if replica else 1
+        self.replica_rank = topology.coordinate(replica) if replica else 0
+        self.planned_read = read if self.replica_size > 1 else "each"
+        # a dry run has no peers to hand the shared batch over: each replica reads it (meshwise.dryrun)
+        self.read = self.planned_read if active() is None else "each"
+        self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
+        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
+            # Workers read through handles they reopen, so fork is safe; it is also fast, where an inherited
+            # forkserver/spawn default would start each worker from scratch (seconds a worker).
+            multiprocessing_context = "fork"
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self.bytes_read = 0
+        return topology
+
+    # ---- sizes and state
+    @property
+    def local_batch_size(self) -> int:
+        """Samples a step on this rank: ``global_batch_size // topology.data_size``."""
+        return self.sampler.local_batch_size
+
+    def __len__(self) -> int:
+        """Steps in a full epoch (the same on every rank)."""
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning (the current epoch keeps its cursor)."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global cursor (identical on every rank, JSON-friendly)."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue a saved cursor, also at another data-parallel size or global batch."""
+        self.sampler.load_state_dict(state)
+
+    def as_dtensor(self, tensor: torch.Tensor, name: str) -> Any:
+        """Field ``name`` of a batch as a DTensor over the split dims (halo stripped; no communication)."""
+        from meshwise.data.parts import as_dtensor
+
+        if name not in self.parts:
+            raise DataError(f"no part of field {name!r} is known yet; the parts are of {sorted(self.parts)}")
+        return as_dtensor(tensor, self.parts[name], self.topology)
+
+    # ---- reading
+    def _scatter_rows(self) -> int:
+        """Rows each replica rank reads under ``read="scatter"``: ``ceil(B / k)``."""
+        return -(-self.local_batch_size // self.replica_size)
+
+    def _in_workers(self, reader: Any, items: Iterable[Any]) -> Iterator[Any]:
+        """``reader[item]`` for each item, read in ``num_workers`` DataLoader workers (one item a batch)."""
+        yield from torch.utils.data.DataLoader(
+            reader,
+            batch_size=None,
+            sampler=list(items),
+            num_workers=self.num_workers,
+            collate_fn=_identity,
+            prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=self.multiprocessing_context,
+        )
