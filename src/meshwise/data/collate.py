@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,25 @@ def _as_tensor(name: str, value: Any) -> torch.Tensor | None:
     return None
 
 
+def _int_lists(values: list[Any]) -> tuple[torch.Tensor, list[int]] | None:
+    """A field whose samples are all lists of Python ints: every token as one int64 tensor and each sample's length.
+
+    The per-field fast path: one ``map(type, ...)`` and one ``np.fromiter`` over the tokens end to end, both in C
+    (no Python step per token). ``None`` for anything else (floats, bools, numpy scalars, empty fields), which
+    the per-sample path below handles.
+    """
+    if not all(type(v) is list for v in values):
+        return None
+    if set(map(type, chain.from_iterable(values))) != {int}:
+        return None
+    lengths = [len(v) for v in values]
+    try:
+        tokens = np.fromiter(chain.from_iterable(values), dtype=np.int64, count=sum(lengths))
+    except OverflowError:  # ints past int64: the per-sample path says what torch makes of them
+        return None
+    return torch.from_numpy(tokens), lengths
+
+
 def _np_twin(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.int64) if torch_dtype(dtype) == torch.int64 else dtype
 
@@ -82,7 +102,20 @@ def pad_collate(
     out: dict[str, Any] = {}
     lengths: dict[str, torch.Tensor] = {}
     for name in names:
-        values = [_as_tensor(name, row[name]) for row in rows]
+        raw = [row[name] for row in rows]
+        ints = _int_lists(raw)
+        if ints is not None:  # token id lists: joined and padded as one tensor
+            tokens, sizes = ints
+            if len(set(sizes)) == 1 and pad_to is None:
+                out[name] = tokens.view(len(rows), sizes[0])
+                continue
+            longest = max(sizes)
+            width = longest if pad_to is None else pad_to
+            _check_width(name, longest, width, pad_to)
+            lengths[name] = torch.tensor(sizes)
+            out[name] = _padded(tokens, lengths[name], width, _fill(name, pad_value), torch.int64)
+            continue
+        values = [_as_tensor(name, v) for v in raw]
         if any(v is None for v in values):
             out[name] = [row[name] for row in rows]
             continue
@@ -98,18 +131,11 @@ def pad_collate(
             )
         longest = max(len(v) for v in values)
         width = longest if pad_to is None else pad_to
-        if longest > width:
-            raise DataError(
-                f"field {name!r} has a sample of {longest} elements, longer than pad_to={pad_to}: "
-                "raise pad_to or truncate"
-            )
-        fill = _fill(name, pad_value)
+        _check_width(name, longest, width, pad_to)
         dtype = values[0].dtype
-        batch = torch.full((len(values), width), fill, dtype=dtype)
-        for i, v in enumerate(values):
-            batch[i, : len(v)] = v.to(dtype)
-        out[name] = batch
         lengths[name] = torch.tensor([len(v) for v in values])
+        tokens = torch.cat([v.to(dtype) for v in values])  # each sample cast first, as to the first one's dtype
+        out[name] = _padded(tokens, lengths[name], width, _fill(name, pad_value), dtype)
     if "attention_mask" not in out:
         key = mask_field if mask_field in lengths else next(iter(lengths), None)
         if key is None and isinstance(out.get(mask_field), torch.Tensor) and out[mask_field].dim() == 2:
@@ -118,6 +144,24 @@ def pad_collate(
             width = out[key].shape[1]
             out["attention_mask"] = (torch.arange(width) < lengths[key][:, None]).to(torch.int64)
     return out
+
+
+def _check_width(name: str, longest: int, width: int, pad_to: int | None) -> None:
+    if longest > width:
+        raise DataError(
+            f"field {name!r} has a sample of {longest} elements, longer than pad_to={pad_to}: raise pad_to or truncate"
+        )
+
+
+def _padded(tokens: torch.Tensor, lengths: torch.Tensor, width: int, fill: float, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[len(lengths), width]`` filled with ``fill``; row i starts with its ``lengths[i]`` tokens.
+
+    One slice copy a row (a boolean-mask assignment costs more than all of them: it builds an index per cell).
+    """
+    batch = torch.full((len(lengths), width), fill, dtype=dtype)
+    for row, piece in zip(batch, torch.split(tokens, lengths.tolist())):
+        row[: len(piece)] = piece
+    return batch
 
 
 def _fill(name: str, pad_value: float | Mapping[str, float] | None) -> float:
