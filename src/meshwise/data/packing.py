@@ -21,14 +21,14 @@ def _documents(dataset: Any, field: str) -> tuple[np.ndarray, np.ndarray]:
 
         if field not in dataset.column_names:
             raise DataError(f"the dataset has no column {field!r}; its columns are {dataset.column_names}")
-        column = dataset.data.column(field)  # the Arrow column (memory-mapped when loaded from disk)
-        if dataset._indices is not None:  # a select()/shuffle() view: take its rows in view order
-            column = column.take(pa.chunked_array(dataset._indices.column(0)))
-        column = column.combine_chunks() if column.num_chunks else pa.array([], type=column.type)
+        # The public Arrow view of one column, in the dataset's row order: the table's own column (memory-mapped
+        # when loaded from disk, no copy) or, for a select()/shuffle() view, one take of just this column's rows.
+        column = dataset.with_format("arrow")[field]  # a ChunkedArray: read chunk by chunk, never joined first
         if not pa.types.is_list(column.type) and not pa.types.is_large_list(column.type):
             raise DataError(f"column {field!r} is {column.type}, not a list of token ids per document")
-        lengths = pc.list_value_length(column).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
-        tokens = pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        lengths = pc.list_value_length(column).fill_null(0).to_numpy().astype(np.int64)
+        flat = pc.list_flatten(column)
+        tokens = flat.to_numpy().astype(np.int64, copy=False) if len(flat) else np.zeros(0, dtype=np.int64)
         return tokens, lengths
     if not isinstance(dataset, (list, tuple)):
         check_map_style(dataset)
