@@ -5,6 +5,7 @@ reads back into a sharded model; key mismatches and occupied folders are refused
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,18 +18,11 @@ pytest.importorskip("safetensors")
 IDS = torch.arange(16).reshape(2, 8) * 3 % 64
 
 
-def llama_config(tied: bool):
+def llama_config(tied: bool, **overrides):
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        intermediate_size=64,
-        tie_word_embeddings=tied,
-    )
+    sizes = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    return LlamaConfig(**{**sizes, "intermediate_size": 64, "tie_word_embeddings": tied, **overrides})
 
 
 def _train_and_save(topo, roots: dict) -> dict:
@@ -128,10 +122,28 @@ def test_load_hf_in_one_process_and_its_refusals(saved, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(input_ids=IDS).logits, logits[True])
     untied = LlamaForCausalLM(llama_config(False)).to(torch.float64)
-    with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\]"):
+    before = {k: v.clone() for k, v in untied.state_dict().items()}
+    # the folder's config.json is checked first, naming the fields that differ
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings: folder True, model False"):
         load_hf(f"{roots[True]}-hf", untied)
+    other_eps = LlamaForCausalLM(llama_config(True, rms_norm_eps=1e-5)).to(torch.float64)
+    with pytest.raises(CheckpointError, match=r"rms_norm_eps: folder 1e-06, model 1e-05"):
+        load_hf(f"{roots[True]}-hf", other_eps)
+    # weights alone (no config.json): the keys and shapes are checked
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(f"{roots[True]}-hf/model.safetensors", bare)
+    with pytest.raises(CheckpointError, match=r"missing \['lm_head.weight'\], unexpected \[\]"):
+        load_hf(bare, untied)
+    deeper = LlamaForCausalLM(llama_config(True, num_hidden_layers=3)).to(torch.float64)
+    with pytest.raises(CheckpointError, match=r"missing \['model.layers.2.input_layernorm.weight'"):
+        load_hf(bare, deeper)
+    wider = LlamaForCausalLM(llama_config(True, vocab_size=128)).to(torch.float64)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: folder \(64, 32\), model \(128, 32\)"):
+        load_hf(bare, wider)
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
-        load_hf(tmp_path, untied)
+        load_hf(tmp_path / "absent", untied)
+    assert all(torch.equal(v, before[k]) for k, v in untied.state_dict().items())  # refused: nothing was read
 
 
 def test_refusals_write_nothing(saved, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from meshwise.checkpoint.export import read_model
 from meshwise.errors import CheckpointError
 
-__all__ = ["export_hf", "load_hf"]
+__all__ = ["CONFIG_IGNORED", "export_hf", "load_hf"]
 
 INDEX = "model.safetensors.index.json"
 
@@ -153,23 +154,107 @@ def export_hf(
     return out
 
 
-def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> None:
+# config.json fields that do not change what the weights mean (bookkeeping, generation, training-only options):
+# a fine-tuned folder may differ from the model in these. Fields starting with "_" are skipped too.
+CONFIG_IGNORED = frozenset(
+    {
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "initializer_range",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+
+
+def _check_config(path: Path, model: torch.nn.Module) -> None:
+    """A transformers model and the folder's config.json must agree on every field that shapes the weights' meaning."""
+    from meshwise.parallel.hf import is_hf_model
+
+    if not is_hf_model(model) or not (path / "config.json").is_file():
+        return
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not JSON ({exc}): pass a save_pretrained folder") from exc
+    own = model.config.to_dict()
+    differ = {
+        k: (v, own[k])
+        for k, v in saved.items()
+        if k in own and not k.startswith("_") and k not in CONFIG_IGNORED and "dropout" not in k and own[k] != v
+    }
+    if differ:
+        listed = ", ".join(f"{k}: folder {a!r}, model {b!r}" for k, (a, b) in sorted(differ.items()))
+        raise CheckpointError(
+            f"{path / 'config.json'} does not match {type(model).__name__}'s config ({listed}); nothing was read: "
+            "build the model from that config (AutoConfig.from_pretrained(folder)) or pass the folder it belongs to"
+        )
+
+
+def _counting_reader(path: Path) -> Any:
+    """DCP's ``HuggingFaceStorageReader`` that counts the bytes it takes from the files: every tensor slice it
+    copies out and every safetensors header it parses (the files are memory-mapped, so /proc/self/io sees none)."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    class CountingReader(HuggingFaceStorageReader):
+        bytes_read = 0
+
+        def read_metadata(self) -> Any:
+            for f in Path(self.path).glob("*.safetensors"):  # the reader parses each file's header
+                with open(f, "rb") as fh:
+                    self.bytes_read += 8 + int.from_bytes(fh.read(8), "little")
+            return super().read_metadata()
+
+        def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+            itemsize = self.storage_data[req.storage_index].dtype.itemsize
+            self.bytes_read += math.prod(req.lengths) * itemsize
+            super()._process_read_request(f, req, planner)
+
+    return CountingReader(str(path))
+
+
+def _restore_buffers(model: torch.nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary ``inv_freq``), which no safetensors file holds and ``to_empty``
+    leaves uninitialised, with the model's own ``_init_weights``, as ``from_pretrained`` does."""
+    from meshwise.parallel.hf import is_hf_model
+
+    init = getattr(model, "_init_weights", None)
+    if not is_hf_model(model) or init is None:
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "_non_persistent_buffers_set", None):
+                init(module)  # may also touch the module's own parameters: the load below overwrites them
+
+
+def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> int:
     """Load a safetensors folder (``save_pretrained``'s or :func:`export_hf`'s) into ``model``, sharded or not.
 
-    Call it on every rank after ``parallelize()``: DCP's ``HuggingFaceStorageReader`` reads, on each rank, only the
-    slices of each tensor its shards hold. Keys are the model's own names; one missing from the folder (except a
-    tied alias such as ``lm_head.weight``) or left over in it is a :class:`CheckpointError` naming them, raised
-    before anything is read.
+    Call it on every rank after ``parallelize()``; the model may have been built on the meta device and
+    materialised with ``to_empty``. DCP's ``HuggingFaceStorageReader`` reads, on each rank, only the slices of
+    each tensor its shards hold, so no rank holds the whole model. Checked before anything is read, each a
+    :class:`CheckpointError` naming the fields or keys: the folder's config.json against a transformers model's
+    config (fields in :data:`CONFIG_IGNORED` and dropouts aside), keys missing from the folder (a tied alias such
+    as ``lm_head.weight`` excepted) or left over in it, and shapes that differ. A transformers model's
+    non-persistent buffers (rotary ``inv_freq``) are recomputed by its ``_init_weights``. Returns the bytes this
+    rank read from the files (tensor slices plus safetensors headers).
     """
     from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     path = Path(folder)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         raise CheckpointError(f"no *.safetensors in {path}: pass a folder written by save_pretrained or export_hf")
+    _check_config(path, model)
     state = get_model_state_dict(model)
-    saved = set(HuggingFaceStorageReader(str(path)).read_metadata().state_dict_metadata)
+    saved = _counting_reader(path).read_metadata().state_dict_metadata
     first: dict[int, str] = {}
     aliases = set()
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -178,15 +263,29 @@ def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> None:
         else:
             first[id(tensor)] = name
     missing = sorted(n for n in state if n not in saved and n not in aliases)
-    unexpected = sorted(saved - set(state))
+    unexpected = sorted(set(saved) - set(state))
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}; "
             "load it into the model class and config it was saved from"
         )
+    shapes = {
+        n: (tuple(saved[n].size), tuple(t.shape))  # a DTensor's shape is the global one
+        for n, t in state.items()
+        if n in saved and tuple(saved[n].size) != tuple(t.shape)
+    }
+    if shapes:
+        listed = ", ".join(f"{n}: folder {a}, model {b}" for n, (a, b) in sorted(shapes.items()))
+        raise CheckpointError(
+            f"{path} holds other shapes than {type(model).__name__} ({listed}); nothing was read: "
+            "build the model from the folder's config"
+        )
+    _restore_buffers(model)
+    reader = _counting_reader(path)
     try:
-        dcp_load({n: t for n, t in state.items() if n in saved}, storage_reader=HuggingFaceStorageReader(str(path)))
+        dcp_load({n: t for n, t in state.items() if n in saved}, storage_reader=reader)
     except Exception as exc:
         raise CheckpointError(f"reading {path} failed: {exc}") from exc
     # The DCP load filled the state's tensors; setting them back is what makes it hold for every wrapper.
     set_model_state_dict(model, state)
+    return reader.bytes_read
