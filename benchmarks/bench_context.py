@@ -1,11 +1,15 @@
-"""Context parallel: bytes read per rank, attention's saved activations per rank, balance of the causal work.
+"""Context parallel: bytes read per rank, attention's activation memory per rank, balance of the causal work.
 
     .venv/bin/python benchmarks/bench_context.py [--window 4096] [--windows 64]
 
-One launch of 4 processes, two meshes (dp=2 x cp=2, then cp=4). Baselines, measured in the same run:
-every rank reading whole windows (``parts=None``) for the bytes, one process's ``F.scaled_dot_product_attention``
-over the whole window for the saved activations, the mean over the split ranks for the balance (and, for
-contrast, plain contiguous chunks ``Shard(0)``). Goals: bytes <= 1/cp + 2 %, balance <= 1.05.
+One launch of 4 processes, two meshes (dp=2 x cp=2, then cp=4); at each, both kinds of attention (all-gather and
+ring). Baselines, measured in the same run: every rank reading whole windows (``parts=None``) for the bytes, one
+process's ``F.scaled_dot_product_attention`` over the whole window for the memory, the mean over the split ranks
+for the balance (and, for contrast, plain contiguous chunks ``Shard(0)``). Memory of one attention call, forward
+and backward: ``activation`` = the q/k/v it is given (autograd keeps them) + the CPU allocator's peak above them
+(torch.profiler's memory events: saved extras, communication buffers, score tiles, gradients, kernel workspace);
+``saved`` = the distinct storages autograd saves for backward. Goals: bytes <= 1/cp + 2 %, balance <= 1.05, ring
+activation at cp=4 <= 0.35 of one process.
 """
 
 from __future__ import annotations
@@ -36,9 +40,13 @@ def _bytes_read(topo, path: str, window: int, balanced: bool) -> int:
     return loader.bytes_read
 
 
-def _saved_bytes(fn) -> tuple[int, float]:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs forward, and its forward+backward seconds."""
+def _memory(fn, inputs: list) -> dict:
+    """One forward+backward of ``fn``: activation bytes (inputs + allocator peak above them), saved bytes, seconds.
+
+    The seconds come from a second run without the profiler.
+    """
     import torch
+    from torch.profiler import ProfilerActivity, profile
 
     storages: dict[int, int] = {}
 
@@ -47,15 +55,28 @@ def _saved_bytes(fn) -> tuple[int, float]:
         storages[s.data_ptr()] = s.nbytes()
         return t
 
+    grad = torch.ones_like(inputs[0])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = fn()
+        out.backward(grad)
+        del out
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    for t in inputs:
+        t.grad = None
     t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    out.sum().backward()
-    return sum(storages.values()), time.perf_counter() - t0
+    fn().backward(grad)
+    seconds = time.perf_counter() - t0
+    given = sum(t.untyped_storage().nbytes() for t in inputs)
+    return {"activation": given + peak, "saved": sum(storages.values()), "s": seconds}
 
 
 def _activations(topo, window: int) -> dict:
-    """Saved bytes of the attention at ``window`` tokens: this rank's cp part vs one process's whole window."""
+    """Memory of the attention at ``window`` tokens, each kind on this rank's cp part, and one process's SDPA."""
     import torch
     import torch.nn.functional as F
 
@@ -66,11 +87,12 @@ def _activations(topo, window: int) -> dict:
     pos = torch.cat([torch.arange(a, b) for a, b in balanced_bounds(window, k, i)])
     torch.manual_seed(0)
     shape = (1, 4, window, 32)  # one window, 4 heads of 32 (the GPT example's d_model 128)
-    q, kk, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
-    one, one_s = _saved_bytes(lambda: F.scaled_dot_product_attention(q, kk, v, is_causal=True))
-    part = [t.detach()[:, :, pos].clone().requires_grad_() for t in (q, kk, v)]
-    mine, mine_s = _saved_bytes(lambda: attention(*part, pos, topo))
-    return {"one": one, "cp": mine, "one_s": one_s, "cp_s": mine_s}
+    whole = [torch.randn(shape, requires_grad=True) for _ in range(3)]
+    out = {"one": _memory(lambda: F.scaled_dot_product_attention(*whole, is_causal=True), whole)}
+    for kind in ("gather", "ring"):
+        part = [t.detach()[:, :, pos].clone().requires_grad_() for t in whole]
+        out[kind] = _memory(lambda: attention(*part, pos, topo, kind=kind), part)  # noqa: B023 (called at once)
+    return out
 
 
 def _work(window: int, k: int) -> dict:
@@ -100,10 +122,11 @@ def _rank(path: str, window: int) -> dict:
     out: dict = {}
     topo = _init({"dp": 2, "cp": 2})
     out["cp2"] = (_bytes_read(topo, path, window, True), _bytes_read(topo, path, window, False))
-    out["act"] = _activations(topo, window)
+    out["act2"] = _activations(topo, window)
     meshwise.shutdown()
     topo = _init({"cp": 4})
     out["cp4"] = (_bytes_read(topo, path, window, True), _bytes_read(topo, path, window, False))
+    out["act4"] = _activations(topo, window)
     meshwise.shutdown()
     return out
 
@@ -127,13 +150,23 @@ def main() -> None:
     for mesh in ("cp2", "cp4"):
         ratios[mesh] = max(r[mesh][0] for r in ranks) / max(r[mesh][1] for r in ranks)
         print(f"{mesh}: bytes per rank {[r[mesh][0] for r in ranks]} vs whole windows {[r[mesh][1] for r in ranks]}")
-    act = max(r["act"]["cp"] for r in ranks) / ranks[0]["act"]["one"]
-    a = ranks[0]["act"]
-    print(
-        f"attention at {args.window} tokens, 4 heads x 32, fp32: saved {a['one'] / 2**20:.2f} MiB one process, "
-        f"{max(r['act']['cp'] for r in ranks) / 2**20:.2f} MiB per cp=2 rank; forward+backward {a['one_s'] * 1e3:.0f} "
-        f"ms one process, {max(r['act']['cp_s'] for r in ranks) * 1e3:.0f} ms per cp=2 rank (loaded machine)"
-    )
+    act: dict = {}
+    for k in (2, 4):
+        one = ranks[0][f"act{k}"]["one"]
+        print(
+            f"cp={k}, attention at {args.window} tokens, 4 heads x 32, fp32, one process (SDPA): activation "
+            f"{one['activation'] / 2**20:.2f} MiB, saved {one['saved'] / 2**20:.2f} MiB, forward+backward "
+            f"{one['s'] * 1e3:.0f} ms"
+        )
+        for kind in ("gather", "ring"):
+            worst = {m: max(r[f"act{k}"][kind][m] for r in ranks) for m in ("activation", "saved", "s")}
+            act[(kind, k)] = worst["activation"] / one["activation"]
+            act[(kind, k, "saved")] = worst["saved"] / one["saved"]
+            print(
+                f"cp={k} {kind}, largest rank: activation {worst['activation'] / 2**20:.2f} MiB "
+                f"({act[(kind, k)]:.3f}), saved {worst['saved'] / 2**20:.2f} MiB ({act[(kind, k, 'saved')]:.3f}), "
+                f"forward+backward {worst['s'] * 1e3:.0f} ms (loaded machine)"
+            )
     work = {k: _work(args.window, k) for k in (2, 4)}
     balance = {}
     for k, w in work.items():
@@ -144,7 +177,12 @@ def main() -> None:
             )
     print(
         f"RESULT bytes_ratio_cp2={ratios['cp2']:.4f} bytes_ratio_cp4={ratios['cp4']:.4f} "
-        f"activation_ratio_cp2={act:.3f} balance={max(balance[(k, 'balanced')] for k in work):.3f} "
+        + " ".join(f"activation_ratio_{kind}_cp{k}={act[(kind, k)]:.3f}" for kind in ("gather", "ring") for k in (2, 4))
+        + " "
+        + " ".join(
+            f"saved_ratio_{kind}_cp{k}={act[(kind, k, 'saved')]:.3f}" for kind in ("gather", "ring") for k in (2, 4)
+        )
+        + f" balance={max(balance[(k, 'balanced')] for k in work):.3f} "
         f"balance_contiguous_cp4={balance[(4, 'contiguous')]:.3f}"
     )
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["Q_TILE", "ring_plan", "ring_attention"]
 
-Q_TILE = 128  # query rows scored at once: bounds the score tile to Q_TILE x (a key run) per head
+Q_TILE = 128  # at most this many query rows are scored at once
 
 Tile = tuple[int, int, int, int, bool]  # local query rows [q0, q1), peer key rows [k0, k1), masked
 
@@ -35,23 +35,30 @@ def _runs(positions: Sequence[int], cut: int) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _rows(n: int, head_dim: int | None, keys: int) -> int:
+    """Query rows a tile scores: a score tile (rows x keys) holds at most a quarter of a K block (n x head_dim)."""
+    return Q_TILE if head_dim is None else min(Q_TILE, max(1, n * head_dim // (4 * max(keys, 1))))
+
+
 def ring_plan(
-    positions: Sequence[int], peers: Sequence[Sequence[int]], causal: bool, tile: int | None = None
+    positions: Sequence[int], peers: Sequence[Sequence[int]], causal: bool, head_dim: int | None = None
 ) -> list[list[Tile]]:
     """For each split rank ``j``: the tiles ``(q0, q1, k0, k1, masked)`` this rank scores against ``j``'s block.
 
     ``positions``: this rank's; ``peers``: every split rank's (``peers[j]`` holds block ``j``'s key positions).
     Key runs are cut to the shortest run of any rank (the middle rank's touching balanced chunks become two
-    blocks); query runs are cut further to ``tile`` rows. Causal: a tile is skipped when all its keys come
-    after all its queries, scored in full when none does, else keys past its last query are dropped and the
-    rest masked by position. ``tile=None``: :data:`Q_TILE`.
+    blocks); query runs are cut further so that a score tile holds at most a quarter of a K block of
+    ``head_dim`` columns (and at most :data:`Q_TILE` rows; ``head_dim=None``: ``Q_TILE`` rows). Causal: a tile is
+    skipped when all its keys come after all its queries, scored in full when none does, else keys past its
+    last query are dropped and the rest masked by position.
     """
-    tile = Q_TILE if tile is None else tile
+    n = len(positions)
     if not causal:
-        n = len(positions)
+        tile = _rows(n, head_dim, n)
         rows = [(s, min(s + tile, n)) for s in range(0, n, tile)]
         return [[(q0, q1, 0, len(p), False) for q0, q1 in rows] for p in peers]
     shortest = min(b - a for p in peers for _, a, b in _runs(p, len(p) or 1))
+    tile = _rows(n, head_dim, shortest)
     runs = _runs(positions, shortest)
     queries = [(s + o, a + o, min(a + o + tile, b)) for s, a, b in runs for o in range(0, b - a, tile)]
     plans = []
@@ -69,84 +76,95 @@ def ring_plan(
     return plans
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, group, me: int, size: int, tag: int) -> list:
-    """Send ``send`` to the next rank of the ring and receive ``recv`` from the previous one (asynchronous)."""
+def _exchange(send: Sequence[torch.Tensor], group, me: int, size: int, tag: int) -> tuple[list, list]:
+    """Send the tensors ``send`` to the next rank of the ring, receive their like from the previous one (async)."""
     nxt, prev = dist.get_global_rank(group, (me + 1) % size), dist.get_global_rank(group, (me - 1) % size)
-    ops = [dist.P2POp(dist.isend, send, nxt, group, tag), dist.P2POp(dist.irecv, recv, prev, group, tag)]
-    return dist.batch_isend_irecv(ops)
+    recv = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t, nxt, group, tag + i) for i, t in enumerate(send)]
+    ops += [dist.P2POp(dist.irecv, t, prev, group, tag + i) for i, t in enumerate(recv)]
+    return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    """Wait for the exchange, then drop its works: they hold the sent tensors, which would stay alive."""
+    for r in reqs:
+        r.wait()
+    reqs.clear()
 
 
 def _scores(q, keys, qpos, kpos, masked: bool, scale: float) -> torch.Tensor:
-    s = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    """One score tile, built in place (one tile-sized tensor)."""
+    s = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)
     if masked:
-        s = s.masked_fill(kpos[None, :] > qpos[:, None], float("-inf"))
+        s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
     return s
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, peers, plans, group, me, scale):  # type: ignore[override]
-        size, d = len(peers), k.shape[-1]
-        kv = torch.cat([k, v], dim=-1).contiguous()
+        size = len(peers)
         m = q.new_full((*q.shape[:-1], 1), float("-inf"))
         total, acc = q.new_zeros(m.shape), q.new_zeros(*q.shape[:-1], v.shape[-1])
-        cur = kv
+        keys, values = k.contiguous(), v.contiguous()
         for t in range(size):
             j = (me - t) % size
             reqs, nxt = [], None
             if t < size - 1:  # pass the block on while scoring it
-                nxt = torch.empty_like(cur)
-                reqs = _exchange(cur, nxt, group, me, size, tag=0)
+                nxt, reqs = _exchange((keys, values), group, me, size, tag=0)
             for q0, q1, k0, k1, masked in plans[j]:
-                s = _scores(q[..., q0:q1, :], cur[..., k0:k1, :d], positions[q0:q1], peers[j][k0:k1], masked, scale)
+                s = _scores(q[..., q0:q1, :], keys[..., k0:k1, :], positions[q0:q1], peers[j][k0:k1], masked, scale)
                 new = torch.maximum(m[..., q0:q1, :], s.amax(dim=-1, keepdim=True))
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # a row with no key yet
-                alpha, p = torch.exp(m[..., q0:q1, :] - safe), torch.exp(s - safe)
+                alpha, p = torch.exp(m[..., q0:q1, :] - safe), s.sub_(safe).exp_()
                 total[..., q0:q1, :] = total[..., q0:q1, :] * alpha + p.sum(dim=-1, keepdim=True)
-                acc[..., q0:q1, :] = acc[..., q0:q1, :] * alpha + torch.matmul(p, cur[..., k0:k1, d:])
+                acc[..., q0:q1, :] = acc[..., q0:q1, :] * alpha + torch.matmul(p, values[..., k0:k1, :])
                 m[..., q0:q1, :] = new
-            for r in reqs:
-                r.wait()
+                del s, p
+            _wait(reqs)
             if nxt is not None:
-                cur = nxt
-        out = acc / total
-        lse = m + torch.log(total)
-        ctx.save_for_backward(q, kv, out, lse, positions)
-        ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale, ctx.d = peers, plans, group, me, scale, d
+                keys, values = nxt
+        out = acc.div_(total)
+        lse = m.add_(torch.log(total))
+        ctx.save_for_backward(q, k, v, out, lse, positions)
+        ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale = peers, plans, group, me, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):  # type: ignore[override]
-        q, kv, out, lse, positions = ctx.saved_tensors
-        peers, plans, group, me, scale, d = ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale, ctx.d
+        q, k, v, out, lse, positions = ctx.saved_tensors
+        peers, plans, group, me, scale = ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale
         size = len(peers)
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1, keepdim=True)
-        dq, cur, dcur = torch.zeros_like(q), kv, torch.zeros_like(kv)
+        dq = torch.zeros_like(q)
+        keys, values = k.contiguous(), v.contiguous()
+        dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
         for t in range(size):
             j = (me - t) % size
-            reqs, nxt, dnxt = [], None, None
-            if t < size - 1:  # the block moves on now; its gradient once this rank has added its share
-                nxt = torch.empty_like(cur)
-                reqs = _exchange(cur, nxt, group, me, size, tag=0)
             for q0, q1, k0, k1, masked in plans[j]:
-                qr, gr, keys, values = q[..., q0:q1, :], dout[..., q0:q1, :], cur[..., k0:k1, :d], cur[..., k0:k1, d:]
-                s = _scores(qr, keys, positions[q0:q1], peers[j][k0:k1], masked, scale)
-                p = torch.exp(s - lse[..., q0:q1, :])
-                dcur[..., k0:k1, d:] += torch.matmul(p.transpose(-1, -2), gr)
-                ds = p * (torch.matmul(gr, values.transpose(-1, -2)) - delta[..., q0:q1, :]) * scale
-                dq[..., q0:q1, :] += torch.matmul(ds, keys)
-                dcur[..., k0:k1, :d] += torch.matmul(ds.transpose(-1, -2), qr)
-            if size > 1:  # after the last step this sends block me+1's gradient home and receives my own
-                dnxt = torch.empty_like(dcur)
-                reqs += _exchange(dcur, dnxt, group, me, size, tag=1)
-            for r in reqs:
-                r.wait()
-            if nxt is not None:
-                cur = nxt
-            if dnxt is not None:
-                dcur = dnxt
-        return dq, dcur[..., :d], dcur[..., d:], None, None, None, None, None, None
+                qr, gr = q[..., q0:q1, :], dout[..., q0:q1, :]
+                p = _scores(qr, keys[..., k0:k1, :], positions[q0:q1], peers[j][k0:k1], masked, scale)
+                p.sub_(lse[..., q0:q1, :]).exp_()
+                dvalues[..., k0:k1, :] += torch.matmul(p.transpose(-1, -2), gr)
+                ds = torch.matmul(gr, values[..., k0:k1, :].transpose(-1, -2))
+                ds.sub_(delta[..., q0:q1, :]).mul_(p).mul_(scale)
+                del p
+                dq[..., q0:q1, :] += torch.matmul(ds, keys[..., k0:k1, :])
+                dkeys[..., k0:k1, :] += torch.matmul(ds.transpose(-1, -2), qr)
+                del ds
+            if size == 1:
+                break
+            # after scoring, not during, and one tensor at a time: a rank holds its block, the block's gradient and
+            # one received tensor at most (memory over overlap); the last step sends block me+1's gradient home
+            held = [keys, values, dkeys, dvalues]
+            del keys, values, dkeys, dvalues
+            for x in range(0 if t < size - 1 else 2, 4):
+                (held[x],), reqs = _exchange((held[x],), group, me, size, tag=x)
+                _wait(reqs)
+            keys, values, dkeys, dvalues = held
+            del held
+        return dq, dkeys, dvalues, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -167,6 +185,6 @@ def ring_attention(
     """
     size = gathered.numel() // positions.numel()
     peers_list = gathered.view(size, -1).tolist()
-    plans = ring_plan(positions.tolist(), peers_list, causal)
+    plans = ring_plan(positions.tolist(), peers_list, causal, head_dim=k.shape[-1])
     peers = list(gathered.view(size, -1).to(q.device).unbind(0))
     return _RingAttention.apply(q, k, v, positions.to(q.device), peers, plans, group, me, scale)
