@@ -341,7 +341,8 @@ def mesh_dataloader(
     are passed through; the context defaults to ``"fork"`` where the platform has it).
 
     A map-style torch ``Dataset`` or a ``datasets.Dataset`` gets a :class:`MeshSampleLoader` instead: samples
-    read by index and joined by ``collate_fn`` (default :func:`meshwise.data.pad_collate`), ``read="each"``.
+    read by index and joined by ``collate_fn`` (default :func:`meshwise.data.pad_collate`), the same ``read``
+    strategies, and ``parts`` cut from the collated batch (balanced token chunks included).
     A torch ``IterableDataset`` or a ``datasets.IterableDataset`` gets a :class:`MeshStreamLoader`: the stream
     divided by data rank, read in order, with an exact resume at the same data size.
     """
