@@ -95,6 +95,28 @@ def _activations(topo, window: int) -> dict:
     return out
 
 
+def _times(topo, windows: tuple[int, ...], repeats: int = 3) -> dict:
+    """Best forward+backward seconds of each kind at short ``windows`` (where ``kind="auto"`` chooses)."""
+    import torch
+
+    from meshwise.data.parts import balanced_bounds
+    from meshwise.parallel.context import attention
+
+    k, i = topo.size("cp"), topo.coordinate("cp")
+    out = {}
+    for window in windows:
+        pos = torch.cat([torch.arange(a, b) for a, b in balanced_bounds(window, k, i)])
+        part = [torch.randn(1, 4, len(pos), 32, requires_grad=True) for _ in range(3)]
+        for kind in ("gather", "ring"):
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                attention(*part, pos, topo, kind=kind).sum().backward()
+                best = min(best, time.perf_counter() - t0)
+            out[(kind, window)] = best
+    return out
+
+
 def _work(window: int, k: int) -> dict:
     """Causal score elements per rank, balanced chunks vs contiguous chunks (pure arithmetic of the runs)."""
     from meshwise.data import chunk_bounds
@@ -127,6 +149,7 @@ def _rank(path: str, window: int) -> dict:
     topo = _init({"cp": 4})
     out["cp4"] = (_bytes_read(topo, path, window, True), _bytes_read(topo, path, window, False))
     out["act4"] = _activations(topo, window)
+    out["times4"] = _times(topo, (256, 1024, 2048))
     meshwise.shutdown()
     return out
 
@@ -167,6 +190,12 @@ def main() -> None:
                 f"({act[(kind, k)]:.3f}), saved {worst['saved'] / 2**20:.2f} MiB ({act[(kind, k, 'saved')]:.3f}), "
                 f"forward+backward {worst['s'] * 1e3:.0f} ms (loaded machine)"
             )
+    times = {key: max(r["times4"][key] for r in ranks) for key in ranks[0]["times4"]}
+    for w in sorted({w for _, w in times}):
+        print(
+            f"cp=4 at {w} tokens, forward+backward, slowest rank, best of 3: gather "
+            f"{times[('gather', w)] * 1e3:.1f} ms, ring {times[('ring', w)] * 1e3:.1f} ms"
+        )
     work = {k: _work(args.window, k) for k in (2, 4)}
     balance = {}
     for k, w in work.items():
@@ -181,6 +210,11 @@ def main() -> None:
         + " "
         + " ".join(
             f"saved_ratio_{kind}_cp{k}={act[(kind, k, 'saved')]:.3f}" for kind in ("gather", "ring") for k in (2, 4)
+        )
+        + "".join(
+            f" ring_over_gather_time_cp4_w{w}={times[('ring', w)] / times[('gather', w)]:.2f}"
+            for kind, w in times
+            if kind == "ring"
         )
         + f" balance={max(balance[(k, 'balanced')] for k in work):.3f} "
         f"balance_contiguous_cp4={balance[(4, 'contiguous')]:.3f}"
