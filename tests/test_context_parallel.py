@@ -368,18 +368,18 @@ def test_model_without_entry_point_or_positions():
 
 
 def test_attention_on_any_order_of_runs():
-    """One rank holding the window's tokens in a shuffled order of runs: equals SDPA forward and backward."""
+    """One rank holding the window's tokens in a shuffled order of runs: both kinds equal SDPA forward and backward."""
     from meshwise.parallel.context import attention, score_elements
 
     topo = layout_topology({"cp": 1}, 0)
     order = torch.cat([torch.arange(0, 4), torch.arange(12, 16), torch.arange(5, 12), torch.tensor([4])])
-    for causal in (True, False):
+    for causal, kind in ((c, k) for c in (True, False) for k in ("gather", "ring")):
         torch.manual_seed(0)
         q, k, v = (torch.randn(2, 3, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         ref.backward(torch.ones_like(ref))
         local = [t.detach()[:, :, order].requires_grad_() for t in (q, k, v)]
-        out = attention(*local, order, topo, is_causal=causal)
+        out = attention(*local, order, topo, is_causal=causal, kind=kind)
         out.backward(torch.ones_like(out))
         assert (out - ref[:, :, order]).abs().max() <= 1e-12
         for mine, full in zip(local, (q, k, v)):
@@ -390,3 +390,29 @@ def test_attention_on_any_order_of_runs():
     assert [score_elements(r, ranks) for r in ranks] == [2 * (2 + 8), 2 * (4 + 6)]
     with pytest.raises(ParallelError, match="not 0..15 once each"):
         attention(*local, torch.zeros(16, dtype=torch.long), topo)
+
+
+def test_attention_kind_and_bad_options():
+    """kind="auto" takes the ring above ring_above tokens on more than one rank; bad options name the fix."""
+    from meshwise.parallel.context import RING_ABOVE, ContextAttention, attention, attention_kind, context_parallel
+    from meshwise.parallel.ring import ring_plan
+
+    assert attention_kind(RING_ABOVE, 4) == "gather" and attention_kind(RING_ABOVE + 8, 4) == "ring"
+    assert attention_kind(RING_ABOVE + 8, 1) == "gather" and attention_kind(16, 2, "auto", ring_above=8) == "ring"
+    assert attention_kind(1 << 20, 4, "gather") == "gather" and attention_kind(8, 1, "ring") == "ring"
+    topo = layout_topology({"cp": 2}, 0)
+    assert "ring attention over 'cp' (2 ranks" in ContextAttention(topo, kind="ring").description
+    for bad, match in (
+        ({"kind": "flash"}, r"kind='flash'.*one of \['auto', 'ring', 'gather'\]"),
+        ({"ring_above": -1}, "int >= 0"),
+    ):
+        with pytest.raises(ParallelError, match=match):
+            context_parallel(_model(), topo, **bad)
+        with pytest.raises(ParallelError, match=match):
+            attention(*(torch.zeros(1, 1, 4, 2) for _ in range(3)), torch.arange(4), topo, **bad)
+    # balanced cp=2 of 8 tokens, rank 1 ([2, 4) and [4, 6) touch): two key runs a peer, the triangles masked
+    ranks = [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert ring_plan(ranks[1], ranks, causal=True) == [
+        [(0, 2, 0, 2, False), (2, 4, 0, 2, False)],  # rank 0's keys [0, 2) in full, [6, 8) skipped
+        [(0, 2, 0, 2, True), (2, 4, 0, 2, False), (2, 4, 2, 4, True)],
+    ]
