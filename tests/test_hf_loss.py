@@ -1,6 +1,7 @@
 """``loss_weight="labels"``: the causal-LM loss as Hugging Face means it (mean over the non-ignored labels of
-the whole global batch) matches one float64 process on dp=4 and dp=2 x tp=2; -100 labels under the sample
-or token weighting are refused; a transformers ``ModelOutput`` reaches ``loss_fn`` as its logits."""
+the whole global batch) matches one float64 process on dp=4, dp=2 x tp=2 and pipelined at pp=2 x dp=2; -100
+labels under the sample or token weighting are refused; a transformers ``ModelOutput`` reaches ``loss_fn`` as
+its logits, from a plain model and from the last pipeline stage alike."""
 
 from __future__ import annotations
 
@@ -15,11 +16,19 @@ import meshwise
 from meshwise.errors import MeshwiseError
 from meshwise.testing import run_distributed
 
+pytest.importorskip("transformers")
+
+import hf_tiny  # noqa: E402  (tests/ is on sys.path under pytest's default import mode, and in the ranks)
+
 V, D, T, GLOBAL_BATCH, STEPS, ACCUMULATION = 24, 8, 6, 8, 4, 2
 
 
 class TinyCausalLM(nn.Module):
-    """Embedding, one MLP block and a vocab head; returns a transformers ``ModelOutput`` like an HF model."""
+    """Embedding, one MLP block and a vocab head; returns a transformers ``ModelOutput`` like an HF model.
+
+    Pieces a pipeline stage does not hold are None and skipped, so ``cut=["fc1"]`` gives a first stage of the
+    embedding alone and a last stage returning the ``ModelOutput``.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -30,9 +39,10 @@ class TinyCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor):
         from transformers.modeling_outputs import CausalLMOutput
 
-        x = self.embed(input_ids)
-        x = x + self.fc2(F.gelu(self.fc1(x)))
-        return CausalLMOutput(logits=self.head(x))
+        x = self.embed(input_ids) if self.embed is not None else input_ids
+        if self.fc1 is not None:
+            x = x + self.fc2(F.gelu(self.fc1(x)))
+        return x if self.head is None else CausalLMOutput(logits=self.head(x))
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -41,18 +51,9 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def global_batches() -> list[dict[str, torch.Tensor]]:
-    """Shifted labels with -100 in uneven amounts: rows 2-3 (one micro-batch of dp=4's rank 1) score nothing."""
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for step in range(STEPS):
-        tokens = torch.randint(0, V, (GLOBAL_BATCH, T + 1), generator=g)
-        labels = tokens[:, 1:].clone()
-        ignore = torch.rand(GLOBAL_BATCH, T, generator=g) < torch.linspace(0.0, 0.8, GLOBAL_BATCH)[:, None]
-        labels[ignore] = -100
-        if step % 2 == 0:
-            labels[2:4] = -100
-        out.append({"input": tokens[:, :-1], "target": labels})
-    return out
+    """Shifted labels with -100 in uneven amounts: rows 2-3 (one micro-batch of dp=4's rank 1) score nothing on
+    even steps (hf_tiny.batches)."""
+    return [{"input": b["input"], "target": b["target"]} for b in hf_tiny.batches(STEPS, GLOBAL_BATCH, T, 5, V, True)]
 
 
 def _reference() -> dict[str, torch.Tensor]:
@@ -68,14 +69,15 @@ def _reference() -> dict[str, torch.Tensor]:
     return {"start": start, "end": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _train(topo: meshwise.Topology, start: dict, tp: bool) -> tuple[nn.Module, list[float]]:
-    """Train from ``start`` on ``topo``; the model and each step's global loss."""
+def _train(topo: meshwise.Topology, start: dict, kind: str) -> tuple[nn.Module, list[float]]:
+    """Train from ``start`` on ``topo`` (``kind``: "dp", "tp" or "pp"); the model and each step's global loss."""
     from ignite.engine import Events
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
     full = TinyCausalLM().double()
     full.load_state_dict(start)
+    tp = kind == "tp"
     if tp:
         plan = {
             "fc1": ColwiseParallel(),
@@ -83,6 +85,8 @@ def _train(topo: meshwise.Topology, start: dict, tp: bool) -> tuple[nn.Module, l
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         }
         model = meshwise.parallelize(full, topo, tp_plan=plan, dp="fsdp")
+    elif kind == "pp":  # the last stage's CausalLMOutput reaches loss_fn as its logits; a micro-batch = one row
+        model = meshwise.parallelize(full, topo, cut=["fc1"], schedule="1F1B", microbatches=2)
     else:
         model = meshwise.parallelize(full, topo, dp="fsdp")
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -104,16 +108,17 @@ def _train(topo: meshwise.Topology, start: dict, tp: bool) -> tuple[nn.Module, l
 
 
 def _both_meshes(reference: dict) -> dict:
-    """On 4 ranks: dp=4, then dp=2 x tp=2 on the same process group; max parameter difference of each."""
+    """On 4 ranks: dp=4, dp=2 x tp=2, then pp=2 x dp=2 on the same process group; max parameter difference of each."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo")  # meshwise adopts it, so shutdown() keeps it for the second mesh
     out = {}
-    for name, mesh, tp in (("dp4", {"dp": 4}, False), ("dp2tp2", {"dp": 2, "tp": 2}, True)):
+    meshes = (("dp4", {"dp": 4}, "dp"), ("dp2tp2", {"dp": 2, "tp": 2}, "tp"), ("pp2dp2", {"pp": 2, "dp": 2}, "pp"))
+    for name, mesh, kind in meshes:
         topo = meshwise.init(mesh)
         try:
-            model, losses = _train(topo, reference["start"], tp)
+            model, losses = _train(topo, reference["start"], kind)
             end = reference["end"]
             out[name] = max(
                 ((p.full_tensor() if isinstance(p, DTensor) else p.detach()) - end[k]).abs().max().item()
@@ -128,13 +133,23 @@ def _both_meshes(reference: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks():
-    return run_distributed(_both_meshes, 4, _reference(), timeout=120)
+    return run_distributed(_both_meshes, 4, _reference(), timeout=240)
 
 
 def test_labels_weighting_matches_one_process_on_dp_and_tp(ranks):
     for r in ranks:
         assert r["dp4"] <= 1e-12 and r["dp2tp2"] <= 1e-12, r
         assert r["dp4_losses"] == ranks[0]["dp4_losses"] and all(x == x for x in r["dp4_losses"]), r  # no NaN
+
+
+def test_labels_weighting_and_model_output_through_pipeline_stages(ranks):
+    # pp=2 x dp=2, two accumulation parts of two one-row micro-batches: on even steps data rank 0's second part
+    # (rows 2-3) scores nothing, so a whole schedule step weighs 0 (and must leave no NaN)
+    print("pp2 x dp2, loss_weight='labels', CausalLMOutput:", [r["pp2dp2"] for r in ranks])
+    for r in ranks:
+        assert r["pp2dp2"] <= 1e-12, r
+        assert r["pp2dp2_losses"] == ranks[0]["pp2dp2_losses"], r  # every stage reports the global loss
+        assert all(abs(a - b) <= 1e-12 for a, b in zip(r["pp2dp2_losses"], r["dp4_losses"])), r
 
 
 def test_ignored_labels_under_count_weightings_are_refused_and_empty_micro_is_finite():

@@ -56,7 +56,10 @@ class PipelineTrainStep(TrainStep):
     the schedule's backward, exactly as :meth:`TrainStep.backward` scales it. Count, loss and the clipping
     norm's power-sum travel in one world all-reduce, so every rank of every stage gets the same
     ``state.output``, ``loss_count`` and ``grad_norm``. Options are those of :func:`create_trainer`, except
-    ``forward`` (the first stage is called on ``batch[input_key]``).
+    ``forward`` (the first stage is called on ``batch[input_key]``). As in :class:`TrainStep`, a transformers
+    ``ModelOutput`` from the last stage reaches ``loss_fn`` as its ``logits`` (a forward hook of the last stage
+    takes them out: torch's schedules carry only tensors), and under ``loss_weight="labels"``
+    a micro-batch without a scored label weighs 0 and leaves no NaN.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, *args: Any, **kw: Any):
@@ -82,6 +85,40 @@ class PipelineTrainStep(TrainStep):
         self._selected: list[tuple[dict[str, Any], slice | torch.Tensor | None, bool]] = []
         self._losses: dict[int, torch.Tensor] = {}
 
+    def train(self, batch: Batch) -> float:
+        """:meth:`TrainStep.train`, with backward scaled by this step's own global count, not the previous one's.
+
+        The count travels in one scalar world all-reduce before the schedule runs. Scaling by the exact count
+        gives each rank's gradients as one process's times the data-parallel size, so float32 islands inside
+        a float64 model (Hugging Face's ``LlamaRMSNorm`` computes in float32, backward too) round as in one
+        process: with the previous step's count the factor fixed afterwards is no power of two and those
+        islands round differently (1e-6 off one process after 3 steps of a tiny Llama under ``"labels"``).
+        A ``loss_weight`` function keeps the previous step's count (its counts need not add over rows).
+        """
+        batch = ready_batch(batch, self.prepare, self.topology.device, "trainer")
+        if not callable(self.loss_weight):
+            count = self._global_count(batch)
+            if count > 0:
+                self.reference = count
+        prepare, self.prepare = self.prepare, None  # applied above: TrainStep.train must not apply it again
+        try:
+            return super().train(batch)
+        finally:
+            self.prepare = prepare
+
+    def _global_count(self, batch: Batch) -> float:
+        """The global batch's count (valid rows only) under a built-in ``loss_weight``: the last stage counts."""
+        local = 0.0
+        if self.pipeline.is_last:
+            rows = row_count(batch, self.input_key)
+            valid = batch.get("valid")
+            if isinstance(valid, torch.Tensor) and not bool(valid.all()):
+                batch = take_rows(batch, rows, valid)
+            local = self.count_of(batch) if rows else 0.0
+        vec = torch.tensor([local / self.replica_copies], dtype=torch.float64, device=self.topology.device)
+        dist.all_reduce(vec)
+        return float(vec.item())
+
     def backward(self, micro: Batch, last: bool) -> tuple[float, torch.Tensor | None]:
         """One schedule step on ``micro`` (an accumulation part); its count and ``Σ count·loss`` on the last stage."""
         pipe, topo = self.pipeline, self.topology
@@ -97,6 +134,15 @@ class PipelineTrainStep(TrainStep):
             # each micro-batch's valid rows, selected once a step: the loss of micro-batch i reuses them
             self._selected = [self._select(i) for i in range(n)]
             self._counts = [0.0 if empty else self.count_of(part) for part, _, empty in self._selected]
+            if self.loss_weight == "labels" and self.target_key is not None:
+                # as TrainStep.backward: a mean over no labels is 0/0, NaN gradients even at weight 0; class 0
+                # keeps it finite while the micro-batch still flows through every stage (weight 0)
+                self._selected = [
+                    ({**part, self.target_key: torch.zeros_like(part[self.target_key])}, keep, empty)
+                    if not count
+                    else (part, keep, empty)
+                    for (part, keep, empty), count in zip(self._selected, self._counts)
+                ]
             # the schedule splits this like the inputs: each micro-batch's loss learns which rows it has
             target = torch.arange(rows, device=topo.device)
         schedule = pipe.schedule(rows, self._stage_loss)

@@ -295,6 +295,17 @@ class PipelineModel(nn.Module):
         return self._schedules[key]
 
 
+def _logits_of_model_output(module: nn.Module, args: Any, output: Any) -> Any:
+    """The last stage's forward hook: a transformers ``ModelOutput`` becomes its ``logits``.
+
+    torch's schedules take only tensors (or tuples of them) from a stage, and the trainer gives ``loss_fn`` a
+    ``ModelOutput``'s logits anyway (:func:`meshwise.engine.trainer.loss_input`); other outputs pass unchanged.
+    """
+    from meshwise.engine.trainer import loss_input
+
+    return loss_input(output)
+
+
 def pipeline_of(model: Any) -> PipelineModel | None:
     """``model`` if it is a :class:`PipelineModel` (what :func:`meshwise.parallelize` returns over a stage dim)."""
     return model if isinstance(model, PipelineModel) else None
@@ -324,6 +335,8 @@ def split_model(
     rank = topology.coordinate(topology.stage_dims)
     indices = list(range(rank, num_stages, ranks))
     modules = [place(_prune(model, set(units[i]))) for i in indices]
+    if num_stages - 1 in indices:
+        modules[indices.index(num_stages - 1)].register_forward_hook(_logits_of_model_output)
     return PipelineModel(modules, indices, num_stages, topology, name, microbatches, units)
 
 
