@@ -16,24 +16,14 @@ from meshwise.testing import run_distributed
 
 pytest.importorskip("transformers")
 
+import hf_tiny  # noqa: E402  (tests/ is on sys.path under pytest's default import mode, and in the ranks)
+
 BATCH, T, STEPS, LR = 4, 8, 4, 1e-2
+SCORED = 16  # of the BATCH * T targets of every global batch (see _dp2_cp2)
 
 
 def llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-        intermediate_size=64,
-        tie_word_embeddings=False,
-        **overrides,
-    )
-    torch.manual_seed(0)  # the same full weights on every rank, then sharded
-    return LlamaForCausalLM(config).to(torch.float64)
+    return hf_tiny.llama(**overrides)
 
 
 def batches() -> list[torch.Tensor]:
@@ -93,9 +83,22 @@ def _balanced(x: torch.Tensor, rank: int, k: int) -> torch.Tensor:
     return torch.cat([chunks[rank], chunks[2 * k - 1 - rank]], dim=-1)
 
 
-def _dp2_cp2(topo) -> dict:
+def labels_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The micro-batch's mean over its non-ignored (already shifted) labels."""
     import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=hf_tiny.IGNORE)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def _cp_without_ignored(topo) -> dict:
+    """Every target scored: a plain loop, FSDP2's average of the equal-count local means is the global mean."""
+    import torch.nn.functional as F
 
     import meshwise
     from meshwise.parallel.context import context_parallel
@@ -123,20 +126,99 @@ def _dp2_cp2(topo) -> dict:
             opt.zero_grad()
             loss.backward()
             opt.step()
-        runs[name] = {
-            n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone() for n, p in model.named_parameters()
-        }
+        runs[name] = _params(model)
     ref, got = runs["one process"], runs["dp2xcp2"]
     moved = max((ref[key] - p).abs().max().item() for key, p in llama().named_parameters())
     return {"diff": max((got[key] - ref[key]).abs().max().item() for key in ref), "moved": moved}
 
 
-def test_llama_dp2_cp2_through_meshwise_attention_matches_one_process():
-    results = run_distributed(_dp2_cp2, 4, mesh={"dp": 2, "cp": 2}, timeout=120)
-    print("dp2 x cp2 max parameter difference per rank:", [r["diff"] for r in results])
+def _cp_with_ignored(topo) -> dict:
+    """-100 labels spread unevenly over data ranks and token chunks, trained by create_trainer under
+    loss_weight="labels", against one process's Hugging Face loss (labels= on the whole global batch)."""
+    from ignite.engine import Events
+
+    import meshwise
+    from meshwise.parallel.context import context_parallel
+
+    # SCORED labels every step: the trainer scales backward by the previous step's count and fixes the
+    # gradients afterwards, and LlamaRMSNorm computes in float32 inside the float64 model, so a count that
+    # changes between steps rounds those float32 islands differently from one process (1e-7, not a
+    # weighting error); a steady power-of-two count keeps the comparison at float64 level.
+    data = hf_tiny.batches(STEPS, BATCH, T, seed=7, scored=SCORED)
+    reference = llama()
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    ref_losses, hf_gap = [], 0.0
+    for b in data:
+        out = reference(input_ids=b["input"], labels=b["labels"])  # the one-process Hugging Face script
+        loss = labels_loss(out.logits, b["target"])  # its loss in float64 (HF's own is upcast only to float32)
+        hf_gap = max(hf_gap, abs(loss.item() - out.loss.item()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    n, cp, k = BATCH // topo.data_size, topo.coordinate("cp"), topo.size("cp")
+    rows = slice(topo.data_rank * n, (topo.data_rank + 1) * n)
+    positions = _balanced(torch.arange(T), cp, k).expand(n, -1)
+    # cp peers hold parts of the same samples: the 'index' field names them (the trainer checks it at step 1)
+    index = torch.arange(rows.start, rows.stop)
+    local = [
+        {
+            "input": _balanced(b["input"][rows], cp, k),
+            "target": _balanced(b["target"][rows], cp, k),
+            "positions": positions,
+            "index": index,
+        }
+        for b in data
+    ]
+    model = meshwise.parallelize(context_parallel(llama(), topo), topo, dp="fsdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    trainer = meshwise.create_trainer(
+        model,
+        opt,
+        labels_loss,
+        topo,
+        loss_weight="labels",
+        forward=lambda m, b: m(input_ids=b["input"], position_ids=b["positions"]),
+    )
+    seen = []
+    trainer.add_event_handler(Events.ITERATION_COMPLETED, lambda e: seen.append((e.state.output, e.state.loss_count)))
+    trainer.run(local, max_epochs=1)
+    ref, got = _params(reference), _params(model)
+    return {
+        "diff": max((got[key] - ref[key]).abs().max().item() for key in ref),
+        "loss_diff": max(abs(s - r) for (s, _), r in zip(seen, ref_losses)),
+        "counts": [c for _, c in seen],
+        "local_counts": [int((b["target"] != hf_tiny.IGNORE).sum()) for b in local],
+        "hf_gap": hf_gap,
+    }
+
+
+def _dp2_cp2(topo) -> dict:
+    return {"plain": _cp_without_ignored(topo), "labels": _cp_with_ignored(topo)}
+
+
+@pytest.fixture(scope="module")
+def cp_ranks() -> list[dict]:
+    return run_distributed(_dp2_cp2, 4, mesh={"dp": 2, "cp": 2}, timeout=180)
+
+
+def test_llama_dp2_cp2_through_meshwise_attention_matches_one_process(cp_ranks):
+    print("dp2 x cp2 max parameter difference per rank:", [r["plain"]["diff"] for r in cp_ranks])
+    for r in cp_ranks:
+        assert r["plain"]["moved"] > 1e-3, r  # training changed the parameters: the comparison is not trivial
+        assert r["plain"]["diff"] <= 1e-12, r
+
+
+def test_llama_dp2_cp2_ignored_labels_match_one_process_hf_loss(cp_ranks):
+    results = [r["labels"] for r in cp_ranks]
+    print("dp2 x cp2, -100 labels, loss_weight='labels':", [(r["diff"], r["loss_diff"]) for r in results])
     for r in results:
-        assert r["moved"] > 1e-3, r  # training changed the parameters: the comparison is not trivial
-        assert r["diff"] <= 1e-12, r
+        assert r["hf_gap"] < 1e-5, r  # the float64 oracle is Hugging Face's own loss (which it computes in float32)
+        assert r["diff"] <= 1e-12 and r["loss_diff"] <= 1e-12, r
+        assert r["counts"] == [float(SCORED)] * STEPS, r
+    # the ranks scored different numbers of labels, so a mean of their means would not be the global mean
+    per_rank = [r["local_counts"] for r in results]
+    assert all(len({c[step] for c in per_rank}) > 1 for step in range(STEPS)), per_rank
 
 
 class FakeTopology:
