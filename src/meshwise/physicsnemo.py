@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise import compat
 from meshwise.data.parts import FieldPart, chunk_bounds
 from meshwise.errors import DataError, ParallelError, TopologyError
 from meshwise.topology import Topology, current, init
@@ -60,15 +61,10 @@ def initialize_manager(*, backend: str | None = None) -> Any:
         chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         dist.init_process_group(chosen, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    state = manager_cls._shared_state
-    state["_is_initialized"] = True
-    manager = manager_cls()
-    manager._distributed = True
-    manager._rank, manager._world_size = rank, world
-    manager._local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available()
-    manager._device = torch.device(f"cuda:{manager._local_rank % torch.cuda.device_count()}" if cuda else "cpu")
-    manager._initialization_method = "env"
+    device = torch.device(f"cuda:{local_rank % torch.cuda.device_count()}" if cuda else "cpu")
+    manager = compat.set_manager_process(manager_cls, rank, world, local_rank, device)
     import numpy as np
 
     np.random.seed(seed=rank)  # what DistributedManager.initialize() does after setup
@@ -77,7 +73,7 @@ def initialize_manager(*, backend: str | None = None) -> Any:
 
 def _manager_mesh(manager: Any) -> Any:
     # _global_mesh, not global_mesh: the property would build a flat ("world",) mesh when none exists
-    return getattr(manager, "_global_mesh", None)
+    return compat.manager_global_mesh(manager)
 
 
 def _mesh_sizes(device_mesh: Any) -> dict[str, int]:
@@ -147,8 +143,7 @@ def _give_mesh(manager: Any, topology: Topology, own: Any, mesh: Mapping[str, in
     if mesh is not None:
         _check_sizes(dict(sizes), dict(mesh), "the meshwise topology's mesh")
     if own is None:
-        manager._global_mesh = topology.mesh
-        manager._mesh_dims = dict(sizes)
+        compat.set_manager_mesh(manager, topology.mesh, dict(sizes))
     else:
         _check_sizes(dict(sizes), _mesh_sizes(own), "the meshwise topology's mesh")
         if own.mesh.tolist() != topology.mesh.mesh.tolist():
@@ -258,7 +253,7 @@ def from_shard_tensor(
     """
     topology = topology if topology is not None else _current_or_error()
     part = _part_of(loader_or_part, name)
-    spec = getattr(shard_tensor, "_spec", None)
+    spec = compat.shard_spec(shard_tensor)
     if spec is None or not hasattr(spec, "sharding_shapes"):
         raise DataError(
             f"expected a ShardTensor, got {type(shard_tensor).__name__}: build it with to_shard_tensor(...)"
@@ -272,7 +267,7 @@ def from_shard_tensor(
         problems.append(f"placements {tuple(shard_tensor.placements)} != {tuple(placements)}")
     if tuple(shard_tensor.shape) != global_shape:
         problems.append(f"global shape {tuple(shard_tensor.shape)} != {global_shape}")
-    theirs = spec._sharding_shapes  # read as stored: sharding_shapes() would gather missing ones
+    theirs = compat.stored_sharding_shapes(spec)  # read as stored: sharding_shapes() would gather missing ones
     if not problems and theirs is not None:
         theirs = {m: [tuple(s) for s in v] for m, v in theirs.items()}
         if theirs != shapes:
@@ -304,9 +299,8 @@ def require_shard_ops() -> None:
     a silently wrong result (docs/physicsnemo.md). Call this before computing on ShardTensors.
     """
     import torch.nn.functional as F
-    from physicsnemo.domain_parallel import ShardTensor
 
-    if F.conv2d not in getattr(ShardTensor, "_function_registry", {}):
+    if F.conv2d not in compat.shard_function_registry():
         raise ParallelError(
             "PhysicsNeMo's ShardTensor op patches are not registered (it registers them only when CUDA is "
             "available): a conv on a ShardTensor would skip the halo and return wrong values. Call "

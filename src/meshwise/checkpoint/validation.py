@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from meshwise import compat
 from meshwise.checkpoint.protocol import DCP_META, FORMAT, FORMAT_VERSION, META, OBJECTS_DIR
 from meshwise.errors import CheckpointError
 
@@ -120,11 +121,10 @@ def check_keys(path: Path, state: Mapping[str, Any], allow_extra: bool = False) 
 
     ``allow_extra=True``: keys the checkpoint holds beyond ``state`` are fine (one pipeline stage's part)."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    flat, _ = flatten_state_dict(dict(state))
+    flat = compat.flatten_state_dict(dict(state))
     prefixes = tuple(f"{n}." for n in state)
     missing = sorted(k for k in flat if k not in saved)
     unexpected = sorted(k for k in saved if not allow_extra and k.startswith(prefixes) and k not in flat)

@@ -23,6 +23,7 @@ from ignite.metrics import Metric, MetricsLambda, RunningAverage, VariableAccumu
 from ignite.metrics.epoch_metric import EpochMetric
 from torch import Tensor
 
+from meshwise import compat
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError
 from meshwise.metrics.sync import replica_check, sync_failure
@@ -486,19 +487,16 @@ def _attached(engine: Engine) -> tuple[dict[Any, list[Metric]], list[Metric]]:
     """The metrics computed at each event (their ``completed`` handler) and those the engine updates."""
     tops: dict[Any, list[Metric]] = {}
     updated: list[Metric] = []
-    # ignite 0.5.5 has no public listing of an engine's handlers; `has_event_handler` needs the handler
-    for event, handlers in list(engine._event_handlers.items()):
-        for handler, _args, _kwargs in handlers:
-            parent = getattr(handler, "_parent", None)
-            handler = parent() if callable(parent) else handler
-            owner = getattr(handler, "__self__", None)
-            if not isinstance(owner, Metric):
-                continue
-            name = getattr(handler, "__name__", "")
-            if name == "completed" and owner not in tops.setdefault(event, []):
-                tops[event].append(owner)
-            elif name == "iteration_completed" and owner not in updated:
-                updated.append(owner)
+    for event, handler, _args, _kwargs in compat.event_handlers(engine):
+        handler = compat.handler_parent(handler)
+        owner = getattr(handler, "__self__", None)
+        if not isinstance(owner, Metric):
+            continue
+        name = getattr(handler, "__name__", "")
+        if name == "completed" and owner not in tops.setdefault(event, []):
+            tops[event].append(owner)
+        elif name == "iteration_completed" and owner not in updated:
+            updated.append(owner)
     return tops, updated
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 
+from meshwise import compat
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
 from meshwise.layout import Dims
@@ -160,7 +161,7 @@ class MeshMetric:
         # torchmetrics must not sync by itself (it would use the world group), except for the states it
         # alone knows how to merge, which it then syncs over the right group.
         leaf.sync_on_compute = fallback
-        leaf._to_sync = fallback
+        compat.set_metric_to_sync(leaf, fallback)
         leaf.process_group = self.group if fallback else None
 
     # ---- the torchmetrics interface
@@ -253,7 +254,7 @@ def _compute_on_last_stage(metrics: list[MeshMetric], names: str) -> tuple[list[
     topo, dims, group = metrics[0].topology, metrics[0].dims, metrics[0].group
     all_leaves = [leaf for m in metrics for leaf in leaves(m.metric)]
     for leaf in all_leaves:
-        leaf._computed = None  # a cached value would skip the states set below
+        compat.clear_metric_computed(leaf)  # a cached value would skip the states set below
     count = 0
     if group is not None:
         try:
@@ -276,7 +277,7 @@ def _compute_on_last_stage(metrics: list[MeshMetric], names: str) -> tuple[list[
         raise sync_failure(topo, dims, f"computing metrics [{names}]", exc) from exc
     finally:
         for leaf in all_leaves:
-            if leaf._is_synced:
+            if compat.metric_is_synced(leaf):
                 leaf.unsync()  # back to the local states, so updates keep accumulating
     on = topo.debug
     checks = [

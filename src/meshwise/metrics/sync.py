@@ -16,6 +16,7 @@ from torch import Tensor
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_sum
 
+from meshwise import compat
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, MetricSyncTimeout
 from meshwise.topology import Topology
@@ -65,7 +66,8 @@ def leaves(metric: Metric | MetricCollection) -> list[Metric]:
 
 def is_fused(leaf: Metric) -> bool:
     """Whether every state of ``leaf`` can be reduced by :func:`sync_states` (else torchmetrics syncs it)."""
-    return all(_kind(leaf._defaults[a], leaf._reductions[a]) != _FALLBACK for a in leaf._defaults)
+    defaults, reductions = compat.metric_defaults(leaf), compat.metric_reductions(leaf)
+    return all(_kind(defaults[a], reductions[a]) != _FALLBACK for a in defaults)
 
 
 @dataclass
@@ -86,10 +88,10 @@ def sync_states(topo: Topology, dims: tuple[str, ...], group: dist.ProcessGroup,
     state). Leaves that are not fused are left to torchmetrics' own sync.
     """
     entries = [
-        _Entry(leaf, attr, _kind(leaf._defaults[attr], leaf._reductions[attr]), getattr(leaf, attr))
+        _Entry(leaf, attr, _kind(default, compat.metric_reductions(leaf)[attr]), getattr(leaf, attr))
         for leaf in leaf_metrics
         if is_fused(leaf)
-        for attr in leaf._defaults
+        for attr, default in compat.metric_defaults(leaf).items()
     ]
     if not entries:
         return 0
@@ -118,11 +120,11 @@ def sync_failure(topo: Topology, dims: tuple[str, ...], what: str, exc: BaseExce
 
 def _set_synced(leaf: Metric, states: dict[str, Any]) -> None:
     """What ``Metric.sync`` does, with states reduced by meshwise: cache the local ones, install the global ones."""
-    cache = leaf._copy_state_dict()
+    cache = compat.metric_state_copy(leaf)
     for attr, value in states.items():
         setattr(leaf, attr, value)
-    leaf._cache = cache
-    leaf._is_synced = True
+    compat.set_metric_cache(leaf, cache)
+    compat.set_metric_synced(leaf, True)
 
 
 def _local_cat(value: Any) -> Tensor | None:
@@ -205,7 +207,7 @@ def _fused_sync(
         n = e.value.numel()
         stacked = per_rank[:, offset : offset + n].reshape(size, *e.value.shape).to(e.value.dtype)
         offset += n
-        fn = e.leaf._reductions[e.attr]
+        fn = compat.metric_reductions(e.leaf)[e.attr]
         out[index[id(e)]] = (stacked if fn is None else fn(stacked)).to(e.value.device)
     if cats:
         meta = per_rank[:, offset:].reshape(size, len(cats), _META).to(torch.int64)

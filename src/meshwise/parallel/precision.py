@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshwise import compat
 from meshwise.errors import ParallelError
 
 __all__ = [
@@ -247,12 +248,10 @@ def checkpointed_modules(model: nn.Module, blocks: list[str], spec: ActivationCh
 def apply_activation_checkpointing(model: nn.Module, names: Sequence[str]) -> None:
     """Recompute the named modules' activations in backward (torch's composable ``checkpoint``: parameter
     names unchanged, so checkpoints load with or without it). Names not in ``model`` (another stage) are skipped."""
-    from torch.distributed._composable import checkpoint
-
     named = dict(model.named_modules())
     for name in names:
         if name in named:
-            checkpoint(named[name])
+            compat.checkpoint_module(named[name])
 
 
 def check_compiler(device_type: str, options: Mapping[str, Any]) -> None:

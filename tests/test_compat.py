@@ -1,0 +1,356 @@
+"""meshwise.compat: one test per private name of another package that meshwise leans on. Each fails loudly, naming
+the name and the installed package version, when an upgrade removes or changes it; and no module outside compat
+reaches for a private name of those packages (one process, no launch)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import inspect
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshwise import compat
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"torch": "torch", "ignite": "pytorch-ignite", "torchmetrics": "torchmetrics", "datasets": "datasets"}
+PACKAGES |= {"transformers": "transformers", "physicsnemo": "nvidia-physicsnemo"}
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(PACKAGES[package])
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _changed(name: str, package: str, why: str) -> None:
+    pytest.fail(
+        f"{name} changed in {package} {_version(package)}: {why}. meshwise.compat wraps it: update that entry "
+        "(or move to the public API its docstring names) and docs/torch.md, 'Private names meshwise leans on'",
+        pytrace=False,
+    )
+
+
+def _check(name: str, package: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or a failure naming ``name`` and ``package``'s version when it raises or returns False."""
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 - any failure of a private name is the news
+        _changed(name, package, f"{type(exc).__name__}: {exc}")
+    if result is False:
+        _changed(name, package, "it no longer behaves as meshwise expects")
+    return result
+
+
+def _has_params(fn: Callable[..., Any], *names: str) -> bool:
+    return set(names) <= set(inspect.signature(fn).parameters)
+
+
+def _source_mentions(obj: Any, *names: str) -> bool:
+    text = inspect.getsource(obj)
+    return all(n in text for n in names)
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def test_fake_store_and_the_fake_backend() -> None:
+    store = _check("torch.testing._internal.distributed.fake_pg.FakeStore", "torch", compat.fake_store)
+    _check("FakeStore (a dist.Store)", "torch", lambda: isinstance(store, dist.Store))
+    _check("the 'fake' backend (registered by fake_pg)", "torch", lambda: "fake" in dist.Backend.backend_list)
+
+
+def test_device_mesh_flatten() -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    name = "DeviceMesh._flatten(mesh_dim_name, backend_override=)"
+    _check(name, "torch", lambda: _has_params(DeviceMesh._flatten, "mesh_dim_name", "backend_override"))
+
+    class Probe:  # compat's call, against the signature just checked (real flattening: every init of a 2-D mesh)
+        def _flatten(self, mesh_dim_name: str | None = None, backend_override: Any = None) -> tuple:
+            return mesh_dim_name, backend_override
+
+    _check(name, "torch", lambda: compat.flatten_mesh(Probe(), "dp_tp", "gloo") == ("dp_tp", "gloo"))
+
+
+def test_gloo_options_carry_a_timeout() -> None:
+    opts = _check("ProcessGroupGloo._Options", "torch", compat.gloo_options)
+    timeout = datetime.timedelta(seconds=17)
+    _check("Backend.Options._timeout", "torch", lambda: compat.set_options_timeout(opts, timeout)._timeout == timeout)
+
+
+def test_default_store() -> None:
+    getter = _check("distributed_c10d._get_default_store", "torch", lambda: dist.distributed_c10d._get_default_store)
+    required = [p for p in inspect.signature(getter).parameters.values() if p.default is inspect.Parameter.empty]
+    _check("_get_default_store() takes no argument", "torch", lambda: not required)
+    if dist.is_initialized():  # another test's group: the store must be a Store
+        _check("_get_default_store() returns a Store", "torch", lambda: isinstance(compat.default_store(), dist.Store))
+
+
+def test_replicate_with_fsdp() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    wrap = _check("torch.distributed._composable.replicate_with_fsdp.replicate", "torch", compat.replicate_with_fsdp)
+    _check("replicate(module, mesh=)", "torch", lambda: _has_params(wrap, "mesh"))
+    kind = _check("replicate_with_fsdp.ReplicateModule", "torch", compat.replicate_module_type)
+    _check("ReplicateModule (an FSDPModule)", "torch", lambda: issubclass(kind, FSDPModule))
+
+
+def test_composable_registry_and_checkpoint() -> None:
+    from torch.distributed._composable import replicate as legacy
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    wrapped = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+    wrapped.load_state_dict(plain.state_dict())
+    _check("_composable.checkpoint", "torch", lambda: compat.checkpoint_module(wrapped[0]))
+    registry = _check("_composable.contract._get_registry", "torch", lambda: compat.composable_registry(wrapped[0]))
+    _check("_get_registry (the 'checkpoint' entry)", "torch", lambda: "checkpoint" in registry)
+    _check("_get_registry of a plain module", "torch", lambda: compat.composable_registry(plain[0]) == {})
+    key = compat.LEGACY_REPLICATE_KEY
+    _check(f"_composable.replicate registers as {key!r}", "torch", lambda: legacy.__name__ == key)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    same = [n for n, _ in plain.named_parameters()] == [n for n, _ in wrapped.named_parameters()]
+    _check("_composable.checkpoint keeps parameter names", "torch", lambda: same)
+    diff = max((a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), wrapped.parameters()))
+    _check("_composable.checkpoint gradients", "torch", lambda: diff <= 1e-12)
+
+
+def test_foreach_norm_and_mul() -> None:
+    torch.manual_seed(1)
+    tensors = [torch.randn(s, dtype=torch.float64) for s in ((3, 4), (7,), (2, 2, 2))]
+    for p in (1.0, 2.0, 3.0, math.inf):
+        norms = _check(f"torch._foreach_norm(p={p})", "torch", lambda p=p: compat.foreach_norm(tensors, p))
+        oracle = [torch.linalg.vector_norm(t, p) for t in tensors]
+        worst = max(abs(float(a) - float(b)) for a, b in zip(norms, oracle))
+        _check(f"torch._foreach_norm(p={p}) values", "torch", lambda worst=worst: worst <= 1e-12)
+    copies = [t.clone() for t in tensors]
+    _check("torch._foreach_mul_", "torch", lambda: compat.foreach_mul_(copies, 0.25))
+    _check(
+        "torch._foreach_mul_ values", "torch", lambda: all(torch.equal(c, t * 0.25) for c, t in zip(copies, tensors))
+    )
+
+
+def test_dcp_flatten_state_dict() -> None:
+    t = torch.zeros(2)
+    flat = _check(
+        "torch.distributed.checkpoint._nested_dict.flatten_state_dict",
+        "torch",
+        lambda: compat.flatten_state_dict({"model": {"w": t, "blocks": [t]}, "step": 3}),
+    )
+    _check("flatten_state_dict keys", "torch", lambda: set(flat) == {"model.w", "model.blocks.0", "step"})
+
+
+def test_compiled_module_inner() -> None:
+    # torch.compile's wrapper (torch._dynamo.eval_frame.OptimizedModule) keeps the module in _orig_mod; its import
+    # takes many seconds on a loaded machine, so the source is read instead.
+    source = Path(torch.__file__).parent / "_dynamo" / "eval_frame.py"
+    text = source.read_text() if source.exists() else ""
+    name = f"OptimizedModule.{compat.COMPILED_INNER}"
+    _check(name, "torch", lambda: bool(re.search(rf"self\.{compat.COMPILED_INNER}\s*=", text)))
+
+
+# --------------------------------------------------------------------------- pytorch-ignite
+
+
+def test_ignite_models() -> None:
+    from ignite.distributed import utils
+    from ignite.distributed.comp_models.base import ComputationModel
+
+    native = _check("ignite.distributed.comp_models.native._NativeDistModel", "ignite", compat.ignite_native_model_type)
+    for method in ("_identify_local_rank", "_compute_nproc_per_node"):  # a dry run overrides both
+        _check(f"_NativeDistModel.{method}", "ignite", lambda m=method: callable(getattr(native, m)))
+    serial = _check("ignite.distributed.comp_models.base._SerialModel", "ignite", compat.ignite_serial_model)
+    _check("_SerialModel (a ComputationModel)", "ignite", lambda: isinstance(serial, ComputationModel))
+    before, need = utils._model, utils._need_to_sync
+    try:
+        _check("ignite.distributed.utils._set_model", "ignite", lambda: compat.set_ignite_model(serial))
+        _check("_set_model sets the model", "ignite", lambda: utils._model is serial)
+        _check("ignite.distributed.utils._need_to_sync", "ignite", lambda: isinstance(utils._need_to_sync, bool))
+        compat.mark_ignite_unsynced()
+        _check("_need_to_sync = True", "ignite", lambda: utils._need_to_sync is True)
+    finally:
+        utils._model, utils._need_to_sync = before, need
+
+
+def test_engine_event_handlers() -> None:
+    from ignite.engine import Engine, Events
+
+    engine = Engine(lambda e, b: None)
+
+    def every(e: Engine, n: int, key: int = 0) -> None:
+        pass
+
+    def filtered(e: Engine) -> None:
+        pass
+
+    engine.add_event_handler(Events.STARTED, every, 1, key=2)
+    engine.add_event_handler(Events.ITERATION_COMPLETED(every=2), filtered)
+    listing = _check("Engine._event_handlers", "ignite", lambda: compat.event_handlers(engine))
+    entry = next(((a, k) for ev, h, a, k in listing if ev == Events.STARTED and h is every), None)
+    # ignite puts a weak reference to the engine before the handler's own arguments
+    _check(
+        "_event_handlers entries",
+        "ignite",
+        lambda: entry is not None and entry[0][-1:] == (1,) and entry[1] == {"key": 2},
+    )
+    wrapper = next(h for _, h, _, _ in listing if h is not every)
+    _check("the filter wrapper's _parent", "ignite", lambda: compat.handler_parent(wrapper) is filtered)
+    _check("handler_parent of a plain handler", "ignite", lambda: compat.handler_parent(every) is every)
+    _check("the filter wrapper's __wrapped__", "ignite", lambda: getattr(wrapper, "__wrapped__", None) is filtered)
+    _check("has_event_handler", "ignite", lambda: engine.has_event_handler(filtered, Events.ITERATION_COMPLETED))
+
+
+# --------------------------------------------------------------------------- torchmetrics
+
+
+def test_metric_states_and_sync_flags() -> None:
+    from torchmetrics import Metric, SumMetric
+
+    metric = SumMetric()
+    metric.update(torch.tensor(3.0, dtype=torch.float64))
+    defaults = _check("Metric._defaults", "torchmetrics", lambda: compat.metric_defaults(metric))
+    _check("Metric._defaults keys", "torchmetrics", lambda: set(defaults) == {"sum_value"})
+    reductions = _check("Metric._reductions", "torchmetrics", lambda: compat.metric_reductions(metric))
+    _check("Metric._reductions values", "torchmetrics", lambda: callable(reductions["sum_value"]))
+    cache = _check("Metric._copy_state_dict", "torchmetrics", lambda: compat.metric_state_copy(metric))
+    _check("_copy_state_dict copies", "torchmetrics", lambda: cache["sum_value"] is not metric.sum_value)
+    _check("Metric._is_synced", "torchmetrics", lambda: compat.metric_is_synced(metric) is False)
+    # what meshwise's fused sync does: torchmetrics' own sync off, global states installed, the local ones cached;
+    # compute() reads the installed states
+    compat.set_metric_to_sync(metric, False)
+    _check("Metric._to_sync", "torchmetrics", lambda: vars(metric)["_to_sync"] is False)
+    metric.sum_value = torch.tensor(10.0, dtype=torch.float64)
+    compat.set_metric_cache(metric, cache)
+    compat.set_metric_synced(metric, True)
+    _check("Metric._cache / _is_synced", "torchmetrics", lambda: compat.metric_is_synced(metric))
+    compat.clear_metric_computed(metric)
+    _check("Metric._computed", "torchmetrics", lambda: "_computed" in vars(metric))
+    _check("compute() on installed states", "torchmetrics", lambda: float(metric.compute()) == 10.0)
+    # compute() ends in unsync() (should_unsync): the cached local states are back, and the flag is cleared
+    _check("unsync() restores Metric._cache", "torchmetrics", lambda: float(metric.sum_value) == 3.0)
+    _check("unsync() clears Metric._is_synced", "torchmetrics", lambda: not compat.metric_is_synced(metric))
+    _check("Metric.compute reads _to_sync", "torchmetrics", lambda: _source_mentions(Metric._wrap_compute, "_to_sync"))
+
+
+# --------------------------------------------------------------------------- datasets, transformers, PhysicsNeMo
+
+
+def test_datasets_indices_and_stream_files(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"x": [10, 11, 12]})
+    _check("datasets.Dataset._indices (None)", "datasets", lambda: compat.dataset_indices(table) is None)
+    view = table.select([2, 0])
+    indices = _check("datasets.Dataset._indices", "datasets", lambda: compat.dataset_indices(view))
+    _check("Dataset._indices rows", "datasets", lambda: indices.column(0).to_pylist() == [2, 0])
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"x": 1}\n')
+    stream = datasets.load_dataset("json", data_files=str(path), split="train", streaming=True)
+    kwargs = _check("IterableDataset._ex_iterable.kwargs", "datasets", lambda: compat.iterable_source_kwargs(stream))
+    files = kwargs.get("original_files") or kwargs.get("base_files") or kwargs.get("files")
+    _check("_ex_iterable.kwargs file list", "datasets", lambda: bool(files) and str(path) in str(files))
+
+
+def test_transformers_plans_and_attention() -> None:
+    transformers = pytest.importorskip("transformers")
+    cls = transformers.LlamaForCausalLM
+    _check("PreTrainedModel._tp_plan (class)", "transformers", lambda: "lm_head" in compat.hf_class_tp_plan(cls))
+    _check("PreTrainedModel._pp_plan (class)", "transformers", lambda: "lm_head" in compat.hf_class_pp_plan(cls))
+    config = transformers.LlamaConfig()
+    compat.set_attn_implementation(config, "sdpa")
+    _check("PretrainedConfig._attn_implementation", "transformers", lambda: config._attn_implementation == "sdpa")
+
+
+def test_physicsnemo_manager_and_shard_tensor() -> None:
+    pytest.importorskip("physicsnemo")
+    import dataclasses
+
+    from physicsnemo.distributed import DistributedManager
+    from physicsnemo.domain_parallel.shard_tensor import ShardTensorSpec
+
+    class Probe(DistributedManager):  # a Borg state of its own: the real manager's is left alone
+        _shared_state: dict = {}
+
+    device = torch.device("cpu")
+    manager = _check(
+        "DistributedManager._shared_state and its _rank, _world_size, _local_rank, _device, _distributed",
+        "physicsnemo",
+        lambda: compat.set_manager_process(Probe, 3, 8, 1, device),
+    )
+    public = (Probe.is_initialized(), manager.rank, manager.world_size, manager.local_rank, manager.device)
+    _check(
+        "DistributedManager's private fields behind its properties",
+        "physicsnemo",
+        lambda: public == (True, 3, 8, 1, device),
+    )
+    _check("DistributedManager._distributed", "physicsnemo", lambda: manager.distributed is True)
+    _check(
+        "DistributedManager._global_mesh (unset)", "physicsnemo", lambda: compat.manager_global_mesh(manager) is None
+    )
+    mesh = object()
+    compat.set_manager_mesh(manager, mesh, {"world": 1})
+    _check("DistributedManager._global_mesh", "physicsnemo", lambda: compat.manager_global_mesh(manager) is mesh)
+    _check("DistributedManager._mesh_dims", "physicsnemo", lambda: _source_mentions(DistributedManager, "_mesh_dims"))
+    _check("ShardTensor._spec", "physicsnemo", lambda: compat.shard_spec(torch.zeros(1)) is None)
+    fields = {f.name for f in dataclasses.fields(ShardTensorSpec)}
+    _check("ShardTensorSpec._sharding_shapes", "physicsnemo", lambda: "_sharding_shapes" in fields)
+    spec = type("Spec", (), {"_sharding_shapes": {0: ((2,),)}})()
+    _check(
+        "ShardTensorSpec._sharding_shapes", "physicsnemo", lambda: compat.stored_sharding_shapes(spec) == {0: ((2,),)}
+    )
+    _check("ShardTensor._function_registry", "physicsnemo", lambda: isinstance(compat.shard_function_registry(), dict))
+
+
+# --------------------------------------------------------------------------- the door stays the only one
+
+# Modules of other owners that still reach a private name directly, each with the one-line edit that routes it
+# through compat (docs/torch.md lists them); a module leaves this list when its edit lands.
+PENDING = {
+    "src/meshwise/data/packing.py",
+    "src/meshwise/data/streaming.py",
+    "src/meshwise/data/parts.py",
+    "src/meshwise/debug/watchdog.py",
+    "src/meshwise/parallel/hf.py",
+    "src/meshwise/parallel/hf_pipeline.py",
+    "src/meshwise/parallel/pipeline.py",
+    "src/meshwise/checkpoint/ignite_saver.py",
+}
+PRIVATE = re.compile(
+    r"_composable|testing\._internal|\._flatten\(|_Options\(|\._timeout\b|_get_default_store|torch\._foreach|"
+    r"_nested_dict|_NativeDistModel|_SerialModel|_set_model|_need_to_sync|_event_handlers|"
+    r"\._(defaults|reductions|cache|is_synced|computed|to_sync|copy_state_dict)\b|\._indices\b|_ex_iterable|"
+    r"\._modules\b|_non_persistent_buffers_set|_orig_mod|\b_tp_plan\b|\b_pp_plan\b|_attn_implementation\b|"
+    r"\b_shared_state|\._global_mesh|\._mesh_dims|\b_function_registry|\._spec\b|\._sharding_shapes|manager\._[a-z]"
+)
+
+
+def test_no_private_name_outside_compat() -> None:
+    found = []
+    for path in sorted((ROOT / "src" / "meshwise").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in PENDING or rel == "src/meshwise/compat.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            code = re.sub(r"(\"[^\"]*\"|'[^']*')", "", code)  # names inside messages and docstrings are words
+            if PRIVATE.search(code):
+                found.append(f"{rel}:{number}: {line.strip()}")
+    assert not found, "private names outside meshwise.compat (add a compat entry and use it):\n" + "\n".join(found)
+
+
+def test_every_compat_entry_has_a_test_and_a_line_in_the_docs() -> None:
+    tests = Path(__file__).read_text()
+    docs = (ROOT / "docs" / "torch.md").read_text()
+    untested = [n for n in compat.__all__ if f"compat.{n}" not in tests]
+    undocumented = [n for n in compat.__all__ if f"`{n}`" not in docs]
+    assert not untested and not undocumented, (untested, undocumented)
