@@ -5,14 +5,20 @@ Rank 0 prepares ``step-N.tmp/`` between DCP's gather of the plans and their scat
 exists, and nothing is written into a refused root); each rank writes its small files beside its shards and sends
 its report with its write results; rank 0 checks the reports, writes DCP's ``.metadata`` and publishes the folder
 in DCP's finish step, whose outcome DCP broadcasts to every rank.
+
+Each rank's shard file is written as DCP's ``FileSystemWriter`` lays it out, byte for byte, but without the zip CRC32
+that ``torch.load`` never checks and without a ``torch.save`` per tensor (:func:`write_shard`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
-from collections.abc import Callable, Mapping
+import os
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+# PRIVATE (torch): _StorageInfo, DCP's record of where an item lies in a shard file (relative_path, offset, length),
+# the storage_data of every write result, which its FileSystemReader reads back; no public constructor exists. To
+# move into meshwise.compat (docs/checkpoint.md, "Private names").
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -39,9 +50,149 @@ __all__ = [
     "failure_text",
     "replay_save",
     "stage",
+    "without_crc32",
+    "write_shard",
 ]
 
 REPORT = "__meshwise_report__"  # the write result that carries a rank's report; never reaches .metadata
+
+
+_CRC_LOCK = threading.Lock()
+_crc_users = 0  # writers inside without_crc32 now, in any thread
+_crc_saved = True  # the option as it was before the first of them
+
+
+@contextlib.contextmanager
+def without_crc32() -> Iterator[None]:
+    """``torch.save`` without the zip CRC32 of each record while the block runs (torch's public
+    ``set_crc32_options``), restored when the last such block of any thread ends.
+
+    ``torch.load`` (and so DCP's reader) never checks that CRC: computing it is a second pass over every byte, about
+    as long as writing them into the page cache. The option is process-wide: another thread's ``torch.save`` during
+    a checkpoint's shard write also skips it (its file loads the same; only zip tools would flag it).
+    """
+    global _crc_users, _crc_saved
+    with _CRC_LOCK:
+        if _crc_users == 0:
+            _crc_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _CRC_LOCK:
+            _crc_users -= 1
+            if _crc_users == 0:
+                torch.serialization.set_crc32_options(_crc_saved)
+
+
+SHARD_SUFFIX = ".distcp"  # PRIVATE (torch): the value of filesystem.DEFAULT_SUFFIX (not in its __all__)
+
+# The frame of a tensor's torch.save archive (the bytes before and after its storage's bytes) by the tensor's
+# layout. Without the CRC32 (without_crc32) an archive is these bytes around the raw storage, whatever the values:
+# each frame is proven so when made (two different contents, the same frame), and shared by every checkpointer.
+_FRAMES: dict[tuple, tuple[bytes, bytes] | None] = {}
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return (tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.untyped_storage().nbytes())
+
+
+def _raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``tensor``'s whole storage, as a uint8 tensor over the same memory (no copy)."""
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+def _archive(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return buf.getvalue()
+
+
+def _make_frame(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    """The (head, tail) of ``tensor``'s archive, checked with two contents of its layout; None when the archive is
+    not head + storage bytes + tail (then each save of such a tensor is a plain ``torch.save``)."""
+    nbytes = tensor.untyped_storage().nbytes()
+    probes = []
+    for fill in (0xA5, 0x5A):
+        raw = torch.full((nbytes,), fill, dtype=torch.uint8)
+        probe = torch.empty(0, dtype=tensor.dtype).set_(raw.untyped_storage(), 0, tensor.shape, tensor.stride())
+        probes.append((_archive(probe), bytes(raw.numpy())))
+    (first, raw_a), (second, raw_b) = probes
+    at = first.find(raw_a)
+    if at < 0 or len(first) != len(second) or second[at : at + nbytes] != raw_b:
+        return None
+    head, tail = first[:at], first[at + nbytes :]
+    if second[:at] != head or second[at + nbytes :] != tail:
+        return None
+    return head, tail
+
+
+def _framed(tensor: torch.Tensor) -> tuple[bytes, bytes] | None:
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.layout != torch.strided
+        or tensor.requires_grad
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.__dict__  # attributes that torch.save pickles with the tensor
+    ):
+        return None  # its archive holds more than its layout and bytes: written with its own torch.save
+    key = _layout(tensor)
+    if key not in _FRAMES:
+        if len(_FRAMES) > 4096:  # layouts of models no longer saved
+            _FRAMES.clear()
+        _FRAMES[key] = _make_frame(tensor)
+    return _FRAMES[key]
+
+
+def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+    """Write this rank's items of ``plan`` into its one shard file, as DCP's ``FileSystemWriter`` lays it out (its
+    byte items, then its tensors, each tensor a ``torch.save`` archive at its offset, without CRC32), and return the
+    write results DCP's ``finish`` records.
+
+    Each tensor is written as its archive's frame around its storage's bytes (:func:`_make_frame`): no ``torch.save``
+    per tensor, three writes; the bytes are those ``torch.save`` writes. A writer with other options than meshwise's
+    (several files or threads, stream extensions, safetensors) goes through DCP's own ``write_data``.
+    """
+    default = (
+        writer.single_file_per_rank
+        and writer.thread_count == 1
+        and not writer.transforms.extensions
+        and writer.serialization_format == SerializationFormat.TORCH_SAVE
+    )
+    if not default:
+        with without_crc32():
+            return list(FileSystemWriter.write_data(writer, plan, planner).wait())
+    name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"  # PRIVATE (torch): the prefix DCP's global plan gave
+    items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+    items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+    results = []
+    with without_crc32(), open(Path(writer.path) / name, "wb") as stream:
+        for item in items:
+            offset = stream.tell()
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                stream.write(data.getbuffer())
+            else:
+                tensor = data.detach().cpu()  # as DCP's loader: a view of a larger storage is written alone
+                if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()
+                frame = _framed(tensor)
+                if frame is None:
+                    stream.write(_archive(tensor))
+                else:
+                    stream.write(frame[0])
+                    stream.write(_raw(tensor).numpy())
+                    stream.write(frame[1])
+            length = stream.tell() - offset
+            info = _StorageInfo(name, offset, length)
+            results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
+        if writer.sync_files:
+            stream.flush()
+            os.fsync(stream.fileno())
+    return results
 
 
 class CommitWriter(FileSystemWriter):
@@ -86,7 +237,7 @@ class CommitWriter(FileSystemWriter):
         report = dict(self._report)
         if report["error"] is None:
             report["error"] = write_files(self._files)
-        results = list(super().write_data(plan, planner).wait())
+        results = write_shard(self, plan, planner)
         results.append(WriteResult(index=MetadataIndex(REPORT), size_in_bytes=0, storage_data=report))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -313,6 +464,10 @@ def stage(state: Any, buffers: dict[tuple, Any], key: tuple = ()) -> Any:
     """A copy of a DCP state dict for a background save: each tensor copied into ``buffers``, kept from one save to
     the next (a DTensor's staged copy too, while its mesh and placements stay), so that staging is a copy and not an
     allocation; other values are deep-copied."""
+    return _stage(state, buffers, key)  # no_grad entered once, not once per value
+
+
+def _stage(state: Any, buffers: dict[tuple, Any], key: tuple) -> Any:
     if isinstance(state, DTensor):
         staged = buffers.get(key)
         if not _same_layout(state, staged):
@@ -325,7 +480,7 @@ def stage(state: Any, buffers: dict[tuple, Any], key: tuple = ()) -> Any:
     if isinstance(state, torch.Tensor):
         return _into(state, buffers, key)
     if isinstance(state, Mapping):
-        return {k: stage(v, buffers, (*key, k)) for k, v in state.items()}
+        return {k: _stage(v, buffers, (*key, k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(stage(v, buffers, (*key, i)) for i, v in enumerate(state))
+        return type(state)(_stage(v, buffers, (*key, i)) for i, v in enumerate(state))
     return copy.deepcopy(state)
