@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 NPROC   ?= 4
 
-.PHONY: demo test test-torch-next lint bench install clean
+.PHONY: demo test test-torch-next gpu-check print-next-venv lint bench install clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,22 +25,39 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
+	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
 	$(BIN)/python -m pytest -q -x --timeout=300 tests
 
 # The newest torch that installs here, in a venv of its own: the suite on the other end of the supported range.
-NEXT       := .venv-torch-next
+# PyPI's Linux wheels of it are CUDA builds (several GB), so this venv also runs `make gpu-check`. The stamp names
+# the version: `make test-torch-next NEXT_TORCH=x.y.z` installs x.y.z over the old one (NEXT=dir: elsewhere).
+NEXT       ?= .venv-torch-next
 NEXT_TORCH ?= 2.14.1
-$(NEXT)/.installed: pyproject.toml
+NEXT_STAMP := $(NEXT)/.installed-$(NEXT_TORCH)
+$(NEXT_STAMP): pyproject.toml
 	test -x $(NEXT)/bin/python || $(PY) -m venv $(NEXT)
 	$(NEXT)/bin/python -m pip install -q --upgrade pip
 	$(NEXT)/bin/python -m pip install -q torch==$(NEXT_TORCH)
 	$(NEXT)/bin/python -m pip install -q -e '.[dev]'
 	$(NEXT)/bin/python -m pip install -q --no-deps nvidia-physicsnemo==2.2.2
+	$(NEXT)/bin/python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(v != '$(NEXT_TORCH)' and f'torch {v} in $(NEXT), not $(NEXT_TORCH)')"
+	rm -f $(NEXT)/.installed*
 	touch $@
 
-test-torch-next: $(NEXT)/.installed
-	$(NEXT)/bin/python -c "import torch; print('torch', torch.__version__)"
+test-torch-next: $(NEXT_STAMP)
+	$(NEXT)/bin/python -c "import torch; print('make test-torch-next: torch', torch.__version__)"
 	$(NEXT)/bin/python -m pytest -q -x --timeout=300 tests
+
+print-next-venv:
+	@echo $(NEXT)
+
+# The CUDA/NCCL checks (tests/test_cuda.py, docs/gpu.md) on every GPU of this machine, on the CUDA build of the
+# next-torch venv (.venv has torch's CPU build). Refuses to pass without a GPU instead of skipping everything;
+# `make gpu-check MESHWISE_CHECK_DEVICE=cpu` runs the same scripts on CPU/gloo (MESHWISE_CHECK_NPROC ranks).
+MESHWISE_CHECK_DEVICE ?= cuda
+gpu-check: $(NEXT_STAMP)
+	$(NEXT)/bin/python -c "import torch, sys; print('make gpu-check: torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPUs', torch.cuda.device_count()); sys.exit('$(MESHWISE_CHECK_DEVICE)' == 'cuda' and not torch.cuda.is_available() and 'no CUDA device here: run it on a GPU machine (or MESHWISE_CHECK_DEVICE=cpu for the CPU/gloo run)')"
+	MESHWISE_CHECK_DEVICE=$(MESHWISE_CHECK_DEVICE) $(NEXT)/bin/python -m pytest -q -s -rs -m cuda --timeout=300 tests/test_cuda.py
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
