@@ -1,6 +1,7 @@
 """export_hf / ``meshwise export --hf`` and load_hf: a Llama trained under FSDP2 at dp=2, saved by the
 Checkpointer, exported to a Hugging Face folder that ``from_pretrained`` loads with bit-equal logits and that load_hf
-reads back into a sharded model; key mismatches and occupied folders are refused."""
+reads back into a sharded model; key mismatches and occupied folders are refused, and load_hf refuses a folder whose
+config.json, keys or shapes differ from the model's before reading anything."""
 
 from __future__ import annotations
 
