@@ -9,6 +9,21 @@ Samples are divided by *data rank* (ranks across replica, split and stage dims r
 * a plain torch ``IterableDataset`` is read whole by every rank, which keeps every ``data_size``-th sample
   starting at ``data_rank`` (the stream must give the same order on every rank).
 
+With ``num_workers > 0`` the rank's share is read in DataLoader worker processes, one sample an item:
+
+* a ``datasets.IterableDataset`` through torchdata's ``StatefulDataLoader``, which gives each worker whole shard
+  files of the rank's share (``datasets``' own worker split) and whose ``state_dict`` holds every worker's
+  position;
+* a plain torch ``IterableDataset`` through a torch ``DataLoader``: worker ``w`` of ``W`` keeps the share's
+  samples ``j`` with ``(j - start) % W == w`` and the DataLoader takes one item from each worker in turn, so the
+  samples come in exactly the order of ``num_workers=0`` and the position stays one count (any worker count
+  resumes it).
+
+``parts=`` cuts the collated batch along the split dims (e.g. ``Shard(0, balanced=True)`` on the token axis for
+context parallel) with the map-style loader's cutting, that is the array road's part arithmetic
+(``resolve_part``): the default collate pads a balanced axis to a multiple of ``2k``, and the batch gets
+``positions``.
+
 Every step each rank fills ``global_batch_size // data_size`` rows and the batch ranks agree, with one small
 all-reduce over the batch dims, on whether to go on: in train mode the epoch ends for all when any rank's share
 runs out (its partial batch is dropped); in eval mode a rank whose share ran out yields padded rows
@@ -23,6 +38,8 @@ resumes by reading and dropping the samples it had consumed (the cost of a resum
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from meshwise.data.collate import as_fields, pad_collate
-from meshwise.data.mapped import _blank
+from meshwise.data.mapped import _blank, _check_specs, _positions, _SampleReader
+from meshwise.data.parts import FieldPart, as_parts
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -47,6 +65,44 @@ def is_streaming(dataset: Any) -> bool:
 
 def _is_hf(dataset: Any) -> bool:
     return any(c.__module__.startswith("datasets.") and c.__name__ == "IterableDataset" for c in type(dataset).__mro__)
+
+
+class _TorchShare(torch.utils.data.IterableDataset):
+    """Data rank ``rank``'s share of a torch stream from share position ``start``, split over DataLoader workers.
+
+    Worker ``w`` of ``W`` yields the share's samples ``j >= start`` with ``(j - start) % W == w``; the DataLoader
+    asks the workers in turn, one sample each, so the samples arrive in share order. Every worker reads the whole
+    stream (a torch stream has no shards to hand out): the workers take what the stream computes per sample
+    (decoding, tokenising), not the read itself; the collate runs in the main process.
+    """
+
+    def __init__(self, source: Any, rank: int, size: int, start: int) -> None:
+        self.source, self.rank, self.size, self.start = source, rank, size, start
+
+    def __iter__(self) -> Iterator[Any]:
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        seen = 0
+        for i, sample in enumerate(self.source):
+            if i % self.size != self.rank:
+                continue
+            if seen >= self.start and (seen - self.start) % workers == worker:
+                yield sample
+            seen += 1
+        if seen < self.start:
+            raise DataError(_past_end(self.start, self.rank, seen))
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _past_end(skip: int, rank: int, seen: int) -> str:
+    return (
+        f"the saved position ({skip} samples consumed on data rank {rank}) is past the end of this stream's "
+        f"share ({seen} samples): the source changed since the save; resume with the same source, or start "
+        "over with set_epoch()"
+    )
 
 
 def _fingerprint(dataset: Any, hf: bool, seed: int) -> str:
@@ -67,7 +123,8 @@ class MeshStreamLoader:
     Built by :func:`meshwise.data.mesh_dataloader` for a torch ``IterableDataset`` or a
     ``datasets.IterableDataset``. ``index`` is the sample's position in this data rank's share of the stream
     (``-1`` on padded rows). ``seed`` is folded into the fingerprint: give another seed for another stream of
-    the same class. Only ``num_workers=0`` (the stream position must be exact at every step).
+    the same class. ``num_workers > 0`` reads the share in worker processes (``prefetch_factor`` and
+    ``multiprocessing_context``, default ``"fork"``, pass through); the position stays exact at every step.
     """
 
     def __init__(
@@ -83,23 +140,21 @@ class MeshStreamLoader:
         read: str = "each",
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: Any = None,
         **kwargs: Any,
     ) -> None:
         if mode not in MODES:
             raise DataError(f"mode must be one of {MODES}, got {mode!r}")
-        if num_workers != 0:
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if read != "each":
             raise DataError(
-                f"num_workers={num_workers} is not supported for streaming sources yet (the saved stream position "
-                "must be exact at every step): use num_workers=0, or shard the source into more files and "
-                "pre-process it offline"
-            )
-        if read != "each" or parts is not None:
-            raise DataError(
-                "read= and parts= need fixed-shape array fields; streaming samples are read whole by every rank of "
-                "a replica group: use read='each' and no parts"
+                f"read={read!r} is not supported for streams: every rank of a replica group reads its share of the "
+                "stream itself (a stream has no random access to hand rows out by); use read='each'"
             )
         if kwargs:
-            raise DataError(f"streaming sources take no {sorted(kwargs)}: drop them (num_workers=0 only)")
+            raise DataError(f"streaming sources take no {sorted(kwargs)}: drop them")
         if not drop_last and mode == "train":
             raise DataError(
                 "drop_last=False in train mode is not supported for streams: a stream's end differs per rank; use "
@@ -123,6 +178,17 @@ class MeshStreamLoader:
         self.local_batch_size = global_batch_size // size
         self.global_batch_size = global_batch_size
         self.collate_fn = pad_collate if collate_fn is None else collate_fn
+        # parts: the map-style loader's cut of a collated batch (resolve_part's arithmetic), checked here once
+        self.specs = as_parts(parts, topology)
+        split = {d: (topology.coordinate(d), topology.size(d)) for d in topology.split_dims}
+        _check_specs(self.specs, split, topology.layout.dims_text())
+        self._cutter = _SampleReader(None, collate_fn, self.specs, split, topology.layout.dims_text())
+        self.parts: dict[str, FieldPart] = {}  # the parts of the last batch handed out (shapes vary per batch)
+        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
+            multiprocessing_context = "fork"  # as for arrays: a worker starts in milliseconds, not seconds
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.multiprocessing_context = multiprocessing_context
+        self._workers: Any = None  # the StatefulDataLoader reading a HF share in workers, this epoch
         self.fingerprint = _fingerprint(dataset, self.hf, seed)
         self.epoch = 0
         self._consumed = 0  # samples of this rank's share handed out this epoch
@@ -142,12 +208,14 @@ class MeshStreamLoader:
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from the start of the stream (a HF stream reshuffles by its epoch if shuffled)."""
         self.epoch, self._consumed, self._hf_state, self._resume = epoch, 0, None, None
+        self._workers = None
         self._ds = self._split()
 
     # ------------------------------------------------------------------ state
 
     def _position(self) -> Any:
-        return {"consumed": self._consumed, "hf": self._hf_state}
+        # "workers": a HF share read in workers saves the StatefulDataLoader's state, which only that many resume
+        return {"consumed": self._consumed, "hf": self._hf_state, "workers": self.num_workers if self.hf else 0}
 
     def state_dict(self) -> dict[str, Any]:
         """Every data rank's stream position (a collective over the batch dims: call it on every rank)."""
@@ -185,8 +253,16 @@ class MeshStreamLoader:
                 "the saved stream position belongs to another source (class, shard count, file list or seed "
                 "differ): resume with the same files and seed= that saved it, or start over with set_epoch()"
             )
+        mine = state["positions"][self.topology.data_rank]
+        saved = int(mine.get("workers", 0))
+        if self.hf and mine.get("hf") is not None and saved != self.num_workers:
+            raise DataError(
+                f"the stream position was saved with num_workers={saved}, this loader has num_workers="
+                f"{self.num_workers}: a datasets stream read in workers saves each worker's own position; resume "
+                f"with num_workers={saved}, or start over with set_epoch()"
+            )
         self.set_epoch(int(state["epoch"]))
-        self._resume = state["positions"][self.topology.data_rank]
+        self._resume = mine
 
     # ------------------------------------------------------------------ reading
 
@@ -196,20 +272,25 @@ class MeshStreamLoader:
         skip = 0
         if resume is not None:
             self._consumed = int(resume["consumed"])
-            if self.hf and resume["hf"] is not None:
+            if not self.hf:
+                skip = self._consumed
+        if self.hf:
+            source = self._ds if self.num_workers == 0 else self._worker_loader(self._ds)
+            if resume is not None and resume["hf"] is not None:
                 try:
-                    self._ds.load_state_dict(resume["hf"])
+                    source.load_state_dict(resume["hf"])
                 except Exception as exc:  # the HF state is a nested dict; a mismatch shows up as any error
                     raise DataError(
                         f"the saved stream position does not fit this source ({type(exc).__name__}: {exc}): resume "
                         "with the same files that saved it, or start over with set_epoch()"
                     ) from exc
-            elif not self.hf:
-                skip = self._consumed
-        if self.hf:
-            yield from self._ds
+            self._workers = source if self.num_workers else None
+            yield from source
             return
         rank, size = self.topology.data_rank, self.topology.data_size
+        if self.num_workers:
+            yield from self._worker_loader(_TorchShare(self._ds, rank, size, skip))
+            return
         # Every rank reads the whole stream and keeps every size-th sample from its data rank; a resume replays
         # (reads and drops) the samples consumed before.
         seen = 0
@@ -220,11 +301,24 @@ class MeshStreamLoader:
             if seen > skip:
                 yield sample
         if seen < skip:
-            raise DataError(
-                f"the saved position ({skip} samples consumed on data rank {rank}) is past the end of this stream's "
-                f"share ({seen} samples): the source changed since the save; resume with the same source, or start "
-                "over with set_epoch()"
-            )
+            raise DataError(_past_end(skip, rank, seen))
+
+    def _worker_loader(self, share: Any) -> Any:
+        """The share read in ``num_workers`` processes, one sample an item (a StatefulDataLoader for a HF share)."""
+        options = dict(
+            batch_size=None,
+            collate_fn=_identity,  # samples as the stream gives them (no numpy -> tensor conversion on the way)
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            multiprocessing_context=self.multiprocessing_context,
+        )
+        if not self.hf:
+            return torch.utils.data.DataLoader(share, **options)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
+            warnings.filterwarnings("ignore", message=".*set_vital", category=UserWarning)
+            return StatefulDataLoader(share, **options)
 
     def _agree(self, value: int, op: Any) -> int:
         """The batch ranks' min (train) or max (eval) of ``value``: one small all-reduce a step."""
@@ -264,16 +358,21 @@ class MeshStreamLoader:
             batch = as_fields(batch) if not isinstance(batch, dict) else batch
             if valid < b:
                 _blank(batch, valid, b)
+            if self.specs:  # this rank's part of each field named in parts, and the positions of balanced ones
+                batch, self.parts = self._cutter.cut(batch)
+                positions = _positions(self.parts, batch)
+                if positions is not None:
+                    batch["positions"] = positions.expand(b, -1)
             index = torch.full((b,), -1, dtype=torch.int64)
             index[:valid] = torch.arange(self._consumed, self._consumed + valid)
             batch["valid"] = index >= 0
             batch["index"] = index
             self._consumed += valid
-            if self.hf:
-                self._hf_state = self._ds.state_dict()  # the position after exactly the samples handed out
+            if self.hf:  # the position after exactly the samples handed out (workers: each worker's)
+                self._hf_state = (self._ds if self._workers is None else self._workers).state_dict()
             yield batch
         # The epoch is over: the next __iter__ reads the stream again from its start.
-        self._consumed, self._hf_state = 0, None
+        self._consumed, self._hf_state, self._workers = 0, None, None
         self._ds = self._split()
 
     def __repr__(self) -> str:
