@@ -28,7 +28,7 @@ from meshwise.parallel.apply import (
 from meshwise.parallel.precision import check_trainer_precision, precision_of
 from meshwise.topology import Topology, resolve
 
-__all__ = ["IGNORE_INDEX", "LossWeight", "TrainStep", "create_trainer"]
+__all__ = ["IGNORE_INDEX", "LossWeight", "MeshEngine", "TrainStep", "create_trainer"]
 
 LossWeight = str | Callable[[Batch], int | float | torch.Tensor]
 
@@ -283,6 +283,25 @@ class TrainStep:
         return count, loss_total, norm_power
 
 
+class MeshEngine(Engine):
+    """ignite's ``Engine`` that also resumes a run saved mid-way through its first pass over a stream.
+
+    ignite learns a stream's ``epoch_length`` only when the first pass ends, so a state saved before that has
+    ``epoch_length=None``, which ``Engine.load_state_dict`` refuses (it derives the epoch from it). That state
+    is the first epoch at ``iteration``: this engine restores it as such, and ``run()`` counts the epoch on
+    from there, learning the epoch's length when the resumed loader's pass ends, as an unbroken run does.
+    """
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        done = state_dict.get("iteration")
+        first_pass = state_dict.get("epoch_length") is None and "epoch" not in state_dict
+        if not (first_pass and isinstance(done, int) and done > 0):
+            super().load_state_dict(state_dict)
+            return
+        super().load_state_dict({**state_dict, "iteration": 0})
+        self.state.iteration, self.state.epoch = done, 0
+
+
 def create_trainer(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -321,7 +340,9 @@ def create_trainer(
     - ``engine.state.loss_count``: the global count the loss is the mean over (0.0 for a skipped step);
     - ``engine.state.grad_norm``: with ``grad_clip``, the global gradient norm before clipping.
 
-    The step is a :class:`TrainStep`; build ``Engine(TrainStep(...))`` yourself to keep a reference to it.
+    The step is a :class:`TrainStep`; build ``MeshEngine(TrainStep(...))`` yourself to keep a reference to it.
+    The engine is a :class:`MeshEngine`: a state saved mid-way through the first pass over a stream (whose
+    ``epoch_length`` ignite does not know yet) resumes with a plain ``trainer.run(loader, max_epochs=...)``.
     """
     step_class = TrainStep
     if resolve(topology).size(resolve(topology).stage_dims) > 1:  # the stages run a schedule (docs/pipeline.md)
@@ -341,7 +362,7 @@ def create_trainer(
         input_key=input_key,
         target_key=target_key,
     )
-    engine = Engine(step)
+    engine = MeshEngine(step)  # an Engine that also resumes mid-way through a stream's first pass
     # ignite's own metrics and checkpoint handlers attached to it, and its loader's sampler, checked at each run
     engine.add_event_handler(Events.STARTED, run_ignite_checks, step.topology)
     note_trainer(engine, optimizer)  # a dry run records its steps and stops it after a few (meshwise.dryrun)
