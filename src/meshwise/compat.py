@@ -32,7 +32,6 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "gloo_options",
-    "handler_parent",
     "hf_class_pp_plan",
     "hf_class_tp_plan",
     "ignite_native_model_type",
@@ -199,14 +198,6 @@ def event_handlers(engine: Any) -> list[tuple[Any, Callable[..., Any], tuple, di
     """``Engine._event_handlers``: every ``(event, handler, args, kwargs)`` registered on ``engine``. ignite 0.5.5
     has no public listing: ``has_event_handler`` needs the handler already in hand."""
     return [(event, h, args, kwargs) for event, hs in engine._event_handlers.items() for h, args, kwargs in hs]
-
-
-def handler_parent(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """``wrapper._parent``: the handler an event-filter wrapper of ignite stands for (a weak reference), else
-    ``handler`` itself. Public: ``functools.wraps``'s ``__wrapped__`` on the same wrapper."""
-    parent = getattr(handler, "_parent", None)
-    inner = parent() if callable(parent) else None
-    return handler if inner is None else inner
 
 
 # =========================================================================== torchmetrics
