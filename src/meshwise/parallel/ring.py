@@ -100,12 +100,17 @@ def _scores(q, keys, qpos, kpos, masked: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are kept in: float32 for 16-bit inputs (k steps of rescaling), else the inputs' own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, peers, plans, group, me, scale):  # type: ignore[override]
-        size = len(peers)
-        m = q.new_full((*q.shape[:-1], 1), float("-inf"))
-        total, acc = q.new_zeros(m.shape), q.new_zeros(*q.shape[:-1], v.shape[-1])
+        size, dtype = len(peers), _accumulate(q.dtype)
+        m = q.new_full((*q.shape[:-1], 1), float("-inf"), dtype=dtype)
+        total, acc = q.new_zeros(m.shape, dtype=dtype), q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
         keys, values = k.contiguous(), v.contiguous()
         for t in range(size):
             j = (me - t) % size
@@ -114,17 +119,20 @@ class _RingAttention(torch.autograd.Function):
                 nxt, reqs = _exchange((keys, values), group, me, size, tag=0)
             for q0, q1, k0, k1, masked in plans[j]:
                 s = _scores(q[..., q0:q1, :], keys[..., k0:k1, :], positions[q0:q1], peers[j][k0:k1], masked, scale)
+                s = s.to(dtype)
                 new = torch.maximum(m[..., q0:q1, :], s.amax(dim=-1, keepdim=True))
                 safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # a row with no key yet
                 alpha, p = torch.exp(m[..., q0:q1, :] - safe), s.sub_(safe).exp_()
                 total[..., q0:q1, :] = total[..., q0:q1, :] * alpha + p.sum(dim=-1, keepdim=True)
-                acc[..., q0:q1, :] = acc[..., q0:q1, :] * alpha + torch.matmul(p, values[..., k0:k1, :])
+                acc[..., q0:q1, :] = acc[..., q0:q1, :] * alpha + torch.matmul(
+                    p.to(values.dtype), values[..., k0:k1, :]
+                )
                 m[..., q0:q1, :] = new
                 del s, p
             _wait(reqs)
             if nxt is not None:
                 keys, values = nxt
-        out = acc.div_(total)
+        out = acc.div_(total).to(q.dtype)
         lse = m.add_(torch.log(total))
         ctx.save_for_backward(q, k, v, out, lse, positions)
         ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale = peers, plans, group, me, scale
@@ -134,22 +142,23 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse, positions = ctx.saved_tensors
         peers, plans, group, me, scale = ctx.peers, ctx.plans, ctx.group, ctx.me, ctx.scale
-        size = len(peers)
+        size, dtype = len(peers), lse.dtype
         dout = dout.contiguous()
-        delta = (dout * out).sum(dim=-1, keepdim=True)
-        dq = torch.zeros_like(q)
+        delta = (dout.to(dtype) * out.to(dtype)).sum(dim=-1, keepdim=True)
+        dq = torch.zeros_like(q, dtype=dtype)
         keys, values = k.contiguous(), v.contiguous()
-        dkeys, dvalues = torch.zeros_like(keys), torch.zeros_like(values)
+        dkeys, dvalues = torch.zeros_like(keys, dtype=dtype), torch.zeros_like(values, dtype=dtype)
         for t in range(size):
             j = (me - t) % size
             for q0, q1, k0, k1, masked in plans[j]:
                 qr, gr = q[..., q0:q1, :], dout[..., q0:q1, :]
-                p = _scores(qr, keys[..., k0:k1, :], positions[q0:q1], peers[j][k0:k1], masked, scale)
+                p = _scores(qr, keys[..., k0:k1, :], positions[q0:q1], peers[j][k0:k1], masked, scale).to(dtype)
                 p.sub_(lse[..., q0:q1, :]).exp_()
-                dvalues[..., k0:k1, :] += torch.matmul(p.transpose(-1, -2), gr)
-                ds = torch.matmul(gr, values[..., k0:k1, :].transpose(-1, -2))
+                dvalues[..., k0:k1, :] += torch.matmul(p.to(gr.dtype).transpose(-1, -2), gr)
+                ds = torch.matmul(gr, values[..., k0:k1, :].transpose(-1, -2)).to(dtype)
                 ds.sub_(delta[..., q0:q1, :]).mul_(p).mul_(scale)
                 del p
+                ds = ds.to(q.dtype)
                 dq[..., q0:q1, :] += torch.matmul(ds, keys[..., k0:k1, :])
                 dkeys[..., k0:k1, :] += torch.matmul(ds.transpose(-1, -2), qr)
                 del ds
@@ -164,6 +173,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(reqs)
             keys, values, dkeys, dvalues = held
             del held
+        dq, dkeys, dvalues = dq.to(q.dtype), dkeys.to(k.dtype), dvalues.to(v.dtype)
         return dq, dkeys, dvalues, None, None, None, None, None, None
 
 
