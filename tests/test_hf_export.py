@@ -139,6 +139,10 @@ def test_load_hf_in_one_process_and_its_refusals(saved, tmp_path):
     deeper = LlamaForCausalLM(llama_config(True, num_hidden_layers=3)).to(torch.float64)
     with pytest.raises(CheckpointError, match=r"missing \['model.layers.2.input_layernorm.weight'"):
         load_hf(bare, deeper)
+    deeper.save_pretrained(str(tmp_path / "deeper"))  # and the other way: a key left over in the folder
+    (tmp_path / "deeper" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"missing \[\], unexpected \['model.layers.2.input_layernorm.weight'"):
+        load_hf(tmp_path / "deeper", LlamaForCausalLM(llama_config(True)).to(torch.float64))
     wider = LlamaForCausalLM(llama_config(True, vocab_size=128)).to(torch.float64)
     with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight: folder \(64, 32\), model \(128, 32\)"):
         load_hf(bare, wider)
