@@ -486,14 +486,28 @@ def _phases(root: str) -> dict:
         res["seconds"] = time.perf_counter() - t0
         out[("dp2cp2", kind)] = res
     meshwise.shutdown()
+    # cp=2 x tp=2: the replica leader cuts its split rank's chunks before it sends them
+    topo = meshwise.init({"cp": 2, "tp": 2}, timeout=30)
+    parts = {f: BALANCED for f in TOKEN_FIELDS}
+    for kind in ("torch", "arrow"):
+        each = _batches(topo, sources[kind][1], "eval", parts=parts)
+        same = [_batches(topo, sources[kind][1], "eval", parts=parts, read=r) == each for r in ("broadcast", "scatter")]
+        out[("cp2tp2", kind)] = {"same": same, "positions": [b["positions"][0] for b in each]}
+    meshwise.shutdown()
     return out
 
 
 def test_map_style_sources_on_dp2_tp2_and_dp2_cp2(tmp_path):
     sources = _sources(str(tmp_path))  # writes the Arrow tables once, before the ranks read them
     res = run_distributed(_phases, 4, str(tmp_path), timeout=240)
-    print({k: (round(v["seconds"], 2), v["fit"]["loss"], v["fit"]["param"]) for k, v in res[0].items()})
+    print({k: (round(v["seconds"], 2), v["fit"]["loss"], v["fit"]["param"]) for k, v in res[0].items() if "fit" in v})
+    for kind in ("torch", "arrow"):  # cp=2 x tp=2: ranks 0, 1 are cp rank 0, ranks 2, 3 cp rank 1
+        assert all(all(r[("cp2tp2", kind)]["same"]) for r in res), kind
+        for p0, p1 in zip(res[0][("cp2tp2", kind)]["positions"], res[2][("cp2tp2", kind)]["positions"]):
+            assert sorted(p0 + p1) == list(range(len(p0) * 2)) and len(p0) % 2 == 0
     for (mesh, kind), r0 in res[0].items():
+        if mesh == "cp2tp2":
+            continue
         assert r0["held ids"] == list(range(len(sources[kind][1]))), (mesh, kind)
         t = r0["fit"]
         assert t["loss"] <= 1e-12 and t["param"] <= 1e-12 and t["cursor"] == STEPS * G, (mesh, kind, t)
