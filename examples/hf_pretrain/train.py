@@ -180,16 +180,13 @@ def main(argv: list[str] | None = None) -> list[float]:
         if topo.is_leader():
             print(f"step {engine.state.iteration} loss {losses[-1]!r}", flush=True)
 
-    if args.streaming:
-        # A stream has no length, and ignite's engine cannot restore a state whose epoch_length is unknown: the
-        # whole run is one ignite epoch of --steps steps (the stream itself must hold that many batches).
-        run_options = {"epoch_length": args.steps}
-    else:
+    if not args.streaming:
         # a full pass moves the cursor on by itself; the epoch number keeps the shuffle of the next pass fresh
         trainer.add_event_handler(Events.EPOCH_COMPLETED, lambda e: loader.set_epoch(e.state.epoch))
-        run_options = {}
+    # A stream has no length: ignite learns it when the first pass ends, and meshwise's trainer resumes a run saved
+    # before that too (create_trainer's MeshEngine), so both kinds of source take the same plain run().
     if stop > start:
-        trainer.run(loader, max_iters=stop, **run_options)
+        trainer.run(loader, max_iters=stop)
         checkpointer.save(trainer.state.iteration, **state)
     checkpointer.close()  # every rank: the checkpoint is committed and "latest" points at it
     if topo.is_leader():
