@@ -257,6 +257,8 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     positions = positions.to(torch.int64)
     gathered = _gather_positions(positions, group, size)
+    if gathered.numel() == 0:  # no token on any split rank
+        return q * 0
     if attention_kind(gathered.numel(), size, kind, ring_above) == "ring":
         return ring_attention(q, k, v, positions, gathered, group, me, is_causal, scale)
     return _ContextAttention.apply(q, k, v, positions, gathered, group, me, is_causal, scale)

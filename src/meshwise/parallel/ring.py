@@ -183,7 +183,7 @@ def ring_attention(
     v: torch.Tensor,
     positions: torch.Tensor,
     gathered: torch.Tensor,
-    group,
+    group: dist.ProcessGroup | None,
     me: int,
     causal: bool,
     scale: float,
