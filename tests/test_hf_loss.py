@@ -50,6 +50,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
+def masked_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The same mean written by hand (per-token losses summed over the scored labels, divided by their number):
+    with nothing scored its gradient is 0 * inf = NaN unless the trainer keeps such a micro-batch finite."""
+    scored = (labels != -100).flatten()
+    per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+    return (per_token * scored).sum() / scored.sum()
+
+
 def global_batches() -> list[dict[str, torch.Tensor]]:
     """Shifted labels with -100 in uneven amounts: rows 2-3 (one micro-batch of dp=4's rank 1) score nothing on
     even steps (hf_tiny.batches)."""
@@ -93,7 +101,7 @@ def _train(topo: meshwise.Topology, start: dict, kind: str) -> tuple[nn.Module, 
     trainer = meshwise.create_trainer(
         model,
         opt,
-        causal_lm_loss,
+        masked_mean_loss if kind == "pp" else causal_lm_loss,
         topo,
         loss_weight="labels",
         accumulation_steps=ACCUMULATION,
