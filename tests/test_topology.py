@@ -575,3 +575,22 @@ def test_placement_inputs_are_checked_and_the_table_shows_nodes():
     assert lines[2].split() == ["rank", "node", "tp(replica)", "dp(batch)", "data_rank", "tp", "group", "dp", "group"]
     assert lines[-1].startswith("warning: mesh dim 'tp' (replica) crosses nodes")
     assert "node" not in layout.table().splitlines()[1]  # without nodes the table is as before
+
+
+def test_the_topology_imports_no_layer_above_it() -> None:
+    """The dry run, the watchdog and every room sit above the topology: they join init through on_init hooks."""
+    import ast
+
+    tree = ast.parse(Path(topology.__file__).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {
+        f"meshwise.{a.name}"
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == "meshwise"
+        for a in n.names
+    }
+    above = ("meshwise.dryrun", "meshwise.debug", "meshwise.data", "meshwise.parallel", "meshwise.engine")
+    above += ("meshwise.metrics", "meshwise.checkpoint", "meshwise.launch", "meshwise.physicsnemo")
+    assert not {m for m in imported if m.startswith(above)}, sorted(imported)
+    assert {"meshwise.compat", "meshwise.environment", "meshwise.layout"} <= imported

@@ -1,8 +1,10 @@
 """Dry runs: this one process plays any rank of a planned world on torch's fake backend, and the rooms report
 into a recorder what that rank would hold, read and write, for ``meshwise run --dry-run`` (docs/dryrun.md).
 
-It sits just under the topology: the loader, ``parallelize``, the trainer and the checkpointer call the
-``note_*`` functions, which do nothing unless a dry run is recording.
+It sits just above the topology (which never imports it): :func:`meshwise.init` joins the fake backend itself, and
+this module's :func:`meshwise.topology.on_init` hook, registered when it is first imported, records the topology
+and gives ``ignite.distributed`` the planned placement. The loader, ``parallelize``, the trainer and the
+checkpointer call the ``note_*`` functions, which do nothing unless a dry run is recording.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from meshwise import compat, topology
 from meshwise.environment import Environment
 from meshwise.layout import Layout, placement_warnings
 
@@ -28,7 +30,9 @@ __all__ = [
     "join_fake_group",
     "leave_ignite",
     "node_of",
+    "note_advice",
     "note_checkpoint",
+    "note_load",
     "note_loader",
     "note_model",
     "note_topology",
@@ -52,6 +56,8 @@ class Recorder:
     optimizers: list[Any] = field(default_factory=list)
     trainer_steps: list[dict[str, Any]] = field(default_factory=list)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    loads: list[dict[str, Any]] = field(default_factory=list)  # checkpoint loads asked for (none is read)
+    advice: list[str] = field(default_factory=list)  # warnings the rooms gave this rank (e.g. empty FSDP2 shards)
 
     def facts(self) -> dict[str, Any]:
         """Everything recorded, as plain values (the report's content, for tools and tests)."""
@@ -62,6 +68,8 @@ class Recorder:
             "optimizer_bytes": sum(_optimizer_bytes(o) for o in self.optimizers),
             "trainer_steps": self.trainer_steps,
             "checkpoints": self.checkpoints,
+            "loads": self.loads,
+            "advice": self.advice,
         }
 
     def report(self) -> str:
@@ -92,60 +100,70 @@ def active() -> Recorder | None:
 
 
 def join_fake_group(env: Environment, timeout: datetime.timedelta) -> None:
-    """Be rank ``env.rank`` of ``env.world_size`` on torch's fake backend: groups are made, nothing is sent."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=env.rank, world_size=env.world_size, timeout=timeout)
+    """Be rank ``env.rank`` of ``env.world_size`` on torch's fake backend (what :func:`meshwise.init` does in a dry
+    run), with ignite told the planned placement."""
+    topology.join_fake_group(env, timeout)
     _tell_ignite(env)
 
 
 def _tell_ignite(env: Environment) -> None:
     """Give ``ignite.distributed`` the planned placement: its own discovery makes a gloo group (to learn the
     processes per node) and gathers every hostname, neither of which the fake backend can do."""
-    from ignite.distributed import utils
-    from ignite.distributed.comp_models.native import _NativeDistModel
 
-    class DryRunModel(_NativeDistModel):
+    class DryRunModel(compat.ignite_native_model_type()):  # type: ignore[misc]
         def _identify_local_rank(self) -> None:
             self._local_rank = env.local_rank
 
         def _compute_nproc_per_node(self) -> int:
             return env.local_world_size
 
-    utils._set_model(DryRunModel(), temporary=False)
+    compat.set_ignite_model(DryRunModel())
 
 
 def leave_ignite() -> None:
     """Hand ``ignite.distributed`` back to its own discovery (after a dry run, or when meshwise leaves its group)."""
-    from ignite.distributed import utils
-    from ignite.distributed.comp_models.base import _SerialModel
-
-    utils._set_model(_SerialModel(), temporary=False)
-    utils._need_to_sync = True
+    compat.set_ignite_model(compat.ignite_serial_model())
+    compat.mark_ignite_unsynced()
 
 
 def node_of(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Every rank's node as the launcher would number them (node by node), without asking anyone."""
-    per_node = max(env.local_world_size, 1)
-    count = -(-env.world_size // per_node)
-    return tuple(r // per_node for r in range(env.world_size)), tuple(f"node{n}" for n in range(count))
+    return topology.planned_nodes(env)
 
 
 # --------------------------------------------------------------------------- what the rooms report
 
 
-def note_topology(topology: Any) -> None:
-    """``meshwise.init`` made ``topology`` (starts recording when the dry run was set up without the CLI)."""
+def note_topology(topo: Any) -> None:
+    """``meshwise.init`` made ``topo`` (starts recording when the dry run was set up without the CLI)."""
     recorder = _ACTIVE
-    if recorder is None and topology.environment.launcher == "dry-run":
+    if recorder is None and topo.environment.launcher == "dry-run":
         recorder = begin(2)
     if recorder is not None:
-        recorder.topology = topology
+        recorder.topology = topo
+
+
+def _joined(topo: Any) -> None:
+    """The :func:`meshwise.topology.on_init` hook: a dry-run topology gets ignite's placement and is recorded."""
+    if topo.environment.launcher == "dry-run":
+        _tell_ignite(topo.environment)
+    note_topology(topo)
+
+
+topology.on_init(_joined)
+if topology.current() is not None:  # init came before this module's first import: catch up
+    _joined(topology.current())
 
 
 def note_loader(loader: Any) -> None:
     if _ACTIVE is not None:
         _ACTIVE.loaders.append(loader)
+
+
+def note_advice(message: str) -> None:
+    """A room warned this rank (once, at set-up): the report lists it."""
+    if _ACTIVE is not None and message not in _ACTIVE.advice:
+        _ACTIVE.advice.append(message)
 
 
 def note_model(model: Any) -> Any:
@@ -166,6 +184,9 @@ def note_trainer(engine: Any, optimizer: Any) -> None:
     clock = {"t0": 0.0, "read": 0}
 
     def started(engine: Any) -> None:
+        loader = engine.state.dataloader
+        if loader is not None and all(loader is not seen for seen in recorder.loaders):
+            recorder.loaders.append(loader)  # a loader that reported nothing when built (a stream): described too
         clock["t0"] = time.perf_counter()
         clock["read"] = getattr(engine.state.dataloader, "bytes_read", 0)
 
@@ -214,6 +235,12 @@ def note_checkpoint(root: Any, entry: Any, rank: int, state: dict[str, Any], sma
         files += [{"path": f"{folder}/objects/{n}.pt", "bytes": None, "what": "state_dict (rank 0)"} for n in small]
     _ACTIVE.checkpoints.append({"folder": folder, "files": files})
     return True
+
+
+def note_load(root: Any, entry: Any, objects: list[str]) -> None:
+    """A checkpoint load was asked for: a dry run reads no checkpoint folder (the objects keep their state)."""
+    if _ACTIVE is not None:
+        _ACTIVE.loads.append({"folder": str(root), "entry": entry, "objects": objects})
 
 
 # --------------------------------------------------------------------------- facts, from local tensors only
@@ -288,16 +315,60 @@ def _topology_facts(topo: Any) -> dict[str, Any]:
     }
 
 
+def _loader_kind(loader: Any) -> str:
+    """``arrays`` (MeshDataLoader), ``map-style`` (MeshSampleLoader), ``stream`` (MeshStreamLoader) or ``other``,
+    from what each shows: a sampler's global cursor, a map-style dataset, a stream's fingerprint."""
+    if getattr(getattr(loader, "sampler", None), "global_batch_size", None) is not None:
+        return "map-style" if hasattr(loader, "specs") and hasattr(loader, "dataset") else "arrays"
+    if hasattr(loader, "fingerprint") and hasattr(loader, "global_batch_size"):
+        return "stream"
+    return "other"
+
+
+def _dataset_facts(dataset: Any) -> dict[str, Any]:
+    """The source's class, length (None for a stream), shard count and columns, from its public attributes."""
+    facts: dict[str, Any] = {"dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}"}
+    try:
+        facts["length"] = len(dataset)
+    except TypeError:  # a stream has no length
+        facts["length"] = None
+    for name in ("num_shards", "column_names"):
+        value = getattr(dataset, name, None)
+        if isinstance(value, (int, list)):
+            facts[name] = value
+    return facts
+
+
 def _loader_facts(loader: Any) -> dict[str, Any]:
-    sampler = loader.sampler
+    kind = _loader_kind(loader)
     parts = {}
-    for name, part in loader.parts.items():
+    for name, part in dict(getattr(loader, "parts", None) or {}).items():
         parts[name] = {
             "sample_shape": list(part.sample_shape),
             "regions": [[[s.start, s.stop] for s in region] for region in part.regions],
             "shape": list(part.shape),
         }
-    return {
+    facts: dict[str, Any] = {"kind": kind, "parts": parts, "bytes_read": getattr(loader, "bytes_read", None)}
+    if kind == "stream":
+        topo = loader.topology
+        data = _dataset_facts(loader.dataset)
+        shards = data.get("num_shards")
+        return {
+            **facts,
+            **data,
+            "mode": loader.mode,
+            "dataset_length": None,
+            "global_batch_size": loader.global_batch_size,
+            "local_batch_size": loader.local_batch_size,
+            "data_rank": topo.data_rank,
+            "data_size": topo.data_size,
+            "steps_per_epoch": None,  # a stream's end is known when it comes
+            "read": "each",
+            "shards_per_rank": None if shards is None else shards // topo.data_size,
+            "collate": getattr(loader.collate_fn, "__name__", type(loader.collate_fn).__name__),
+        }
+    sampler = loader.sampler
+    facts |= {
         "mode": sampler.mode,
         "dataset_length": sampler.dataset_length,
         "global_batch_size": sampler.global_batch_size,
@@ -306,9 +377,10 @@ def _loader_facts(loader: Any) -> dict[str, Any]:
         "data_size": sampler.data_size,
         "steps_per_epoch": len(loader),
         "read": getattr(loader, "planned_read", loader.read),
-        "parts": parts,
-        "bytes_read": loader.bytes_read,
     }
+    if kind == "map-style":
+        facts |= _dataset_facts(loader.dataset)
+    return facts
 
 
 def _model_facts(model: Any) -> dict[str, Any]:
@@ -372,11 +444,19 @@ def render(facts: dict[str, Any]) -> str:
         )
     lines += [f"  placement advice: {w}" for w in topo["placement"]] or ["  placement advice: none"]
     for i, loader in enumerate(facts["loaders"]):
+        kind = loader.get("kind", "arrays")
+        source = f" {loader['dataset']}," if "dataset" in loader else ""
+        if kind == "stream":
+            shards = loader.get("num_shards")
+            size = "a stream" + (f" of {shards} shards, {loader['shards_per_rank']} per data rank" if shards else "")
+            steps = "steps/epoch known when the stream ends"
+        else:
+            size, steps = f"{loader['dataset_length']} samples", f"{loader['steps_per_epoch']} steps/epoch"
+        read = "" if loader["bytes_read"] is None else f", {_size(loader['bytes_read'])} read"
         lines.append(
-            f"loader {i} ({loader['mode']}): {loader['dataset_length']} samples, global batch "
-            f"{loader['global_batch_size']}, local batch {loader['local_batch_size']} (data rank "
-            f"{loader['data_rank']} of {loader['data_size']}), {loader['steps_per_epoch']} steps/epoch, read "
-            f"{loader['read']}, {_size(loader['bytes_read'])} read"
+            f"loader {i} ({kind}, {loader['mode']}):{source} {size}, global batch {loader['global_batch_size']}, "
+            f"local batch {loader['local_batch_size']} (data rank {loader['data_rank']} of {loader['data_size']}), "
+            f"{steps}, read {loader['read']}{read}"
         )
         for name, part in loader["parts"].items():
             regions = " + ".join("[" + ", ".join(f"{a}:{b}" for a, b in r) + "]" for r in part["regions"])
@@ -401,5 +481,10 @@ def render(facts: dict[str, Any]) -> str:
     for ckpt in facts["checkpoints"]:
         lines.append(f"checkpoint plan {ckpt['folder']} (nothing written):")
         lines += [f"  {f['path']}: {f['what']}, {_size(f['bytes'])}" for f in ckpt["files"]]
+    for load in facts.get("loads", []):
+        lines.append(
+            f"checkpoint load {load['entry']!r} of {load['folder']}: not read in a dry run ({load['objects']})"
+        )
+    lines += [f"advice: {a}" for a in facts.get("advice", [])]
     lines.append(f"losses, metric values and gathered results: {NOT_COMPUTED}")
     return "\n".join(lines)

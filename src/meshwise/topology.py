@@ -2,8 +2,8 @@
 groups) that every layer reaches through :func:`resolve`, and :func:`shutdown` leaves it.
 
 The mesh arithmetic lives in :mod:`meshwise.layout` and the launcher's variables are read in
-:mod:`meshwise.environment`; layers above register work for init and shutdown with :func:`on_init` and
-:func:`on_shutdown`.
+:mod:`meshwise.environment`; layers above (the debug watchdog, the dry run's recorder in :mod:`meshwise.dryrun`)
+register work for init and shutdown with :func:`on_init` and :func:`on_shutdown`: this module imports none of them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from meshwise.dryrun import join_fake_group, node_of, note_topology
+from meshwise import compat
 from meshwise.environment import Environment, detect_environment
 from meshwise.errors import CollectiveTimeoutError, PlacementWarning, TopologyError
 from meshwise.layout import ROLES, Dims, Layout, check_rank_grid, placement_warnings
@@ -252,11 +252,8 @@ def resolve(topology: Topology | None = None) -> Topology:
 
 
 def on_init(hook: Callable[[Topology], None]) -> None:
-    """Run ``hook(topology)`` at the end of every :func:`init`, in registration order; a second registration of
-    the same hook is ignored.
-
-    This is how a layer above the topology (the debug watchdog) joins init without the topology importing it.
-    """
+    """Run ``hook(topology)`` at the end of every :func:`init`, in registration order (a second registration of
+    the same hook is ignored): how a layer above (the watchdog, the dry run) joins init unimported."""
     if hook not in _ON_INIT:
         _ON_INIT.append(hook)
 
@@ -281,23 +278,20 @@ def init(
 ) -> Topology:
     """Join the process group and build the declared mesh, or adopt the user's; returns the :class:`Topology`.
 
-    ``mesh`` is ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"``, ``None`` to read ``MESHWISE_MESH``
-    (default ``dp=-1``), or a ``DeviceMesh`` the program already built: its dims, sizes, order, device
-    and groups are adopted (``roles`` still names the role of any dim without a default), after checking
-    that its ranks sit where meshwise's arithmetic puts them. ``timeout`` (seconds, default
-    ``MESHWISE_TIMEOUT`` or 600) bounds the rendezvous and every collective of every group meshwise
-    creates. ``debug`` (default ``MESHWISE_DEBUG``) compares a fingerprint of every collective on a
-    topology group across the group before it runs (:mod:`meshwise.debug`); ``run_dir`` (default
-    ``MESHWISE_RUN_DIR`` or ``runs``) receives hang reports. Under a launcher (torchrun, srun, mpirun)
-    every process must call this with the same arguments. A process group that already exists is
-    joined as it is, once its rank and size are checked against the launcher's.
+    ``mesh`` is ``{"dp": -1, "tp": 2}``, ``"dp=-1,tp=2"``, ``None`` to read ``MESHWISE_MESH`` (default
+    ``dp=-1``), or a ``DeviceMesh`` the program already built: its dims, sizes, order, device and groups are
+    adopted (``roles`` still names the role of any dim without a default), after checking that its ranks sit
+    where meshwise's arithmetic puts them. ``timeout`` (seconds, default ``MESHWISE_TIMEOUT`` or 600) bounds the
+    rendezvous and every collective of every group meshwise creates. ``debug`` (default ``MESHWISE_DEBUG``)
+    compares a fingerprint of every collective on a topology group across the group before it runs
+    (:mod:`meshwise.debug`); ``run_dir`` (default ``MESHWISE_RUN_DIR`` or ``runs``) receives hang reports. Under a
+    launcher every process must call this with the same arguments. A process group that already exists is joined
+    as it is, once its rank and size are checked against the launcher's.
 
-    Groups are made here, on every rank, for each dim and for the batch, metric (batch + split), replica
-    and all dims; ``groups=[("cp", "tp"), ...]`` names any other selection of several dims to make.
-
-    Each rank's node is learnt here (one all-gather); when a ``replica`` or ``split`` dim crosses nodes
-    although declaring the ``batch`` dims first would keep it inside one, rank 0 warns with a
-    :class:`PlacementWarning` naming the dim. Hooks registered with :func:`on_init` run last.
+    Groups are made here, on every rank, for each dim and the batch, metric (batch + split), replica and all dims;
+    ``groups=[("cp", "tp"), ...]`` names any other selection to make. Each rank's node is learnt here (one
+    all-gather); when a ``replica`` or ``split`` dim crosses nodes although declaring the ``batch`` dims first
+    would keep it inside one, rank 0 warns with a :class:`PlacementWarning`. :func:`on_init` hooks run last.
     """
     global _CURRENT
     if _CURRENT is not None:
@@ -325,7 +319,6 @@ def init(
     if env.rank == 0:  # the same advice on every rank: one copy is enough
         for message in placement_warnings(layout, nodes):
             warnings.warn(message, PlacementWarning, stacklevel=_outside_meshwise())
-    note_topology(_CURRENT)  # a dry run's recorder (meshwise.dryrun); nothing otherwise
     for hook in list(_ON_INIT):
         hook(_CURRENT)
     return _CURRENT
@@ -411,13 +404,9 @@ def _choose_device(env: Environment, backend: str | None) -> tuple[torch.device,
 
 
 def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Store:
-    """The launcher's store under a prefix of its own for this attempt and this init.
-
-    The store outlives a group: a restarted torchrun attempt (--max-restarts) meets the agent's store, and
-    a second init() in one process meets its own, both still holding the old group's gloo addresses. A
-    fresh prefix per attempt and per init keeps a new group from dialling them. srun and mpirun have no
-    agent: rank 0 of the first init hosts the store at the master address.
-    """
+    """The launcher's store under a prefix of its own for this attempt and this init: the store outlives a group
+    (a restarted torchrun attempt, a second init() in one process), still holding the old group's gloo addresses.
+    srun and mpirun have no agent: rank 0 of the first init hosts the store at the master address."""
     global _STORE, _INITS
     if _STORE is None:
         url = (
@@ -468,16 +457,29 @@ def _join_process_group(env: Environment, device: torch.device, backend: str, ti
     return True
 
 
+def join_fake_group(env: Environment, timeout: datetime.timedelta) -> None:
+    """Be rank ``env.rank`` of ``env.world_size`` on torch's fake backend (a dry run): nothing is ever sent."""
+    dist.init_process_group(
+        "fake", store=compat.fake_store(), rank=env.rank, world_size=env.world_size, timeout=timeout
+    )
+
+
+def planned_nodes(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Every rank's node as a launcher numbers them (node by node), asking no one: a dry run's placement."""
+    per_node = max(env.local_world_size, 1)
+    count = -(-env.world_size // per_node)
+    return tuple(r // per_node for r in range(env.world_size)), tuple(f"node{n}" for n in range(count))
+
+
 def _backend_options(backend: str, timeout: datetime.timedelta) -> object:
     """Backend options that carry the timeout (``dist.new_group`` does not inherit it: docs/torch.md)."""
     if backend == "gloo":
-        opts = dist.ProcessGroupGloo._Options()
+        opts = compat.gloo_options()
     elif backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
     else:
         return backend
-    opts._timeout = timeout
-    return (backend, opts)
+    return (backend, compat.set_options_timeout(opts, timeout))
 
 
 def _build_mesh(layout: Layout, device: torch.device, backend: str, timeout: datetime.timedelta) -> DeviceMesh:
@@ -505,7 +507,7 @@ def _make_groups(
                 submeshes[dims] = root[dims[0]]
                 continue
             whole = adopted and len(dims) == root.ndim
-            submeshes[dims] = root[dims]._flatten("_".join(dims), backend_override=None if whole else override)
+            submeshes[dims] = compat.flatten_mesh(root[dims], "_".join(dims), None if whole else override)
     return submeshes
 
 
@@ -574,7 +576,7 @@ def _exchange_nodes(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]
     node index where it gives one (``GROUP_RANK``, ``SLURM_NODEID``: two torchrun "nodes" on one machine share
     a hostname), else the hostname."""
     if env.launcher == "dry-run":  # the planned placement: no one to ask, and no O(world) exchange
-        return node_of(env)
+        return planned_nodes(env)
     mine = (env.node_rank, socket.gethostname())
     if env.world_size == 1:
         everyone = [mine]
