@@ -35,7 +35,10 @@ def check_loader(loader: Any, topology: Topology | None = None, *, padded_rows: 
     will pad its last batch is refused too: on every rank at once, before any step, where a refusal of the
     padded batch itself would come on the padded ranks only and leave the others waiting in a collective.
     """
-    topo = resolve(topology)
+    _check_loader(loader, resolve(topology), padded_rows)
+
+
+def _check_loader(loader: Any, topo: Topology, padded_rows: bool) -> None:
     sampler = getattr(loader, "sampler", None)
     mesh_sampler = getattr(sampler, "global_batch_size", None) is not None
     if not padded_rows and mesh_sampler and sampler.mode == "train" and not sampler.drop_last:
@@ -71,7 +74,10 @@ def _shared_dims(topo: Topology) -> str:
 def check_model(model: nn.Module, topology: Topology | None = None) -> None:
     """Refuse a model that cannot train right on this mesh: ``idist.auto_model``'s DistributedDataParallel
     over the whole world on a mesh with replica or split dims, or a model not data parallel at all."""
-    topo = resolve(topology)
+    _check_model(model, resolve(topology))
+
+
+def _check_model(model: nn.Module, topo: Topology) -> None:
     kind = check_data_parallel(model)
     shared = [d for d in (*topo.replica_dims, *topo.split_dims) if topo.sizes[d] > 1]
     if kind == "ddp" and shared:
@@ -93,8 +99,11 @@ def run_ignite_checks(engine: Engine, topology: Topology | None = None, padded_r
     """What every engine on the mesh runs at STARTED: its loader (:func:`check_loader`), its ignite metrics
     made mesh-correct (``adopt_ignite_metrics``), its ignite checkpoint handlers checked
     (``check_ignite_checkpoints``). ``padded_rows``: whether the engine's step excludes padded rows."""
-    topo = resolve(topology)
-    check_loader(engine.state.dataloader, topo, padded_rows=padded_rows)
+    _run_checks(engine, resolve(topology), padded_rows)
+
+
+def _run_checks(engine: Engine, topo: Topology, padded_rows: bool) -> None:
+    _check_loader(engine.state.dataloader, topo, padded_rows)
     adopt_ignite_metrics(engine, topo)
     check_ignite_checkpoints(engine, topo)
 
@@ -106,11 +115,12 @@ def on_mesh(engine: Engine, topology: Topology | None = None, *, model: nn.Modul
     every row). At the first iteration of each run (every iteration in debug
     mode): the replica agreement check of ``engine.state.batch``, whatever its loader
     (:func:`meshwise.debug.replicas.check_replicas`). With ``model``: :func:`check_model` now.
-    Calling it twice on one engine adds nothing.
+    Calling it twice on one engine adds nothing. The topology is resolved once, here: every check, now and at
+    each run's start, uses that one.
     """
     topo = resolve(topology)
     if model is not None:
-        check_model(model, topo)
+        _check_model(model, topo)
     if getattr(engine, "_meshwise_on_mesh", False):
         return engine
     engine._meshwise_on_mesh = True  # type: ignore[attr-defined]
@@ -118,7 +128,7 @@ def on_mesh(engine: Engine, topology: Topology | None = None, *, model: nn.Modul
 
     def started(e: Engine) -> None:
         pending[0] = True
-        run_ignite_checks(e, topo, padded_rows=False)
+        _run_checks(e, topo, padded_rows=False)
 
     def compare(e: Engine) -> None:
         if pending[0] or topo.debug:
