@@ -169,3 +169,106 @@ def test_describe_summarises_a_large_world(capsys: pytest.CaptureFixture[str]) -
     assert len(out.splitlines()) < 10 and "tp groups: 1024 of 16 ranks, 1 apart (the first: 0-15)" in out
     assert launch.main([*argv[:-4], "--world-size", "64", "--all-ranks"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 64 + 3
+
+
+SCRIPT = '''
+"""A user's script: samples made from their shapes (nothing prepared on disk), a map-style and a streaming
+loader, checkpoints every step into a run folder that already holds a run, and a resume at the end."""
+import sys
+
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+import meshwise
+from meshwise.data import mesh_dataloader
+from meshwise.engine.handlers import Checkpointing
+
+
+def sample(i):
+    g = torch.Generator().manual_seed(i)
+    return {"input": torch.randn(8, generator=g, dtype=torch.float64), "target": torch.randn(1, dtype=torch.float64)}
+
+
+class Shapes(Dataset):
+    def __len__(self):
+        return 1 << 20
+
+    def __getitem__(self, i):
+        return sample(int(i))
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        i = 0
+        while True:
+            yield sample(i)
+            i += 1
+
+
+topo = meshwise.init()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double()
+model = meshwise.parallelize(net, topo, dp="fsdp")
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+mapped = mesh_dataloader(Shapes(), topo, global_batch_size=2 * topo.data_size, mode="train")
+stream = mesh_dataloader(Stream(), topo, global_batch_size=2 * topo.data_size, mode="train")
+ckpt = meshwise.Checkpointer(sys.argv[1] + "/checkpoints", topo, keep_last=1)
+for loader in (mapped, stream):
+    trainer = meshwise.create_trainer(model, opt, torch.nn.functional.mse_loss, topo)
+    Checkpointing(ckpt, every_iterations=1, model=model, optimizer=opt).attach(trainer)
+    trainer.run(loader, max_epochs=1)
+info = ckpt.load("latest", model=model, optimizer=opt)
+print("resumed:", info.message)
+ckpt.close()
+meshwise.shutdown()
+'''
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``root``: size, modification time and bytes."""
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+        for p in root.rglob("*")
+        if p.is_file()
+    }
+
+
+def test_a_dry_run_ignores_an_existing_run_folder_and_describes_both_loaders(tmp_path: Path) -> None:
+    script, run, out = tmp_path / "train.py", tmp_path / "run", tmp_path / "report.json"
+    script.write_text(SCRIPT)
+    # a run folder that holds a run: a committed-looking step whose files are junk, and 'latest' naming it; a read
+    # of either (a resume, a retention pass, a root check) fails or changes them
+    (run / "checkpoints" / "step-7").mkdir(parents=True)
+    (run / "checkpoints" / "step-7" / "meshwise.json").write_text("not json")
+    (run / "checkpoints" / "latest").write_text("7\n")
+    (run / "notes.txt").write_text("the first phase\n")
+    before = _tree(run)
+    world, rank = 4096, 4095
+    argv = ["run", "--dry-run", "--world-size", str(world), "--rank", str(rank)]
+    argv += ["--mesh", "dp=-1", "--report-json", str(out), str(script), str(run)]
+    done = subprocess.run(
+        [sys.executable, "-m", "meshwise.launch", *argv], capture_output=True, text=True, timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _tree(run) == before  # nothing read into, written to or removed from the run folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "run", "train.py"]  # no hang-report folder
+    facts = json.loads(out.read_text())
+    mapped, stream = facts["loaders"]
+    assert mapped["kind"] == "map-style" and mapped["dataset"].endswith("Shapes")
+    assert (mapped["dataset_length"], mapped["steps_per_epoch"], mapped["local_batch_size"]) == (1 << 20, 128, 2)
+    assert (mapped["data_rank"], mapped["data_size"]) == (rank, world)
+    assert stream["kind"] == "stream" and stream["dataset"].endswith("Stream")
+    assert (stream["dataset_length"], stream["steps_per_epoch"], stream["local_batch_size"]) == (None, None, 2)
+    assert "(map-style, train)" in done.stdout and "(stream, train): __main__.Stream, a stream" in done.stdout
+    # the 2 planned steps (the default) on the first trainer; a later trainer stops after its first step. Each step
+    # saved (planned, not written); the load at the end read nothing
+    assert [len(s["samples"]) for s in facts["trainer_steps"]] == [2, 2, 2]
+    assert [c["folder"] for c in facts["checkpoints"]] == [f"{run}/checkpoints/step-{i}" for i in (1, 2, 1)]
+    assert facts["loads"] == [{"folder": f"{run}/checkpoints", "entry": "latest", "objects": ["model", "optimizer"]}]
+    assert "resumed: dry run: checkpoint 'latest'" in done.stdout
+    # every parameter has fewer rows than the 4,096 data ranks: one piece of advice, once (not per step or trainer)
+    advice = [a for a in facts["advice"] if "FSDP2" in a]
+    assert len(advice) == 1 and done.stderr.count("PlacementWarning: FSDP2") == 1
+    for name in ("0.weight (64 along dim 0)", "0.bias (64 along dim 0)", "2.weight (1 along dim 0)", "2.bias (1 "):
+        assert name in advice[0]
+    assert "shard_placement_fn" in advice[0] and "dp='replicate'" in advice[0]

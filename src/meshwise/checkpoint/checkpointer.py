@@ -133,7 +133,7 @@ class Checkpointer:
         self._plans: SavedPlans | None = None  # what the last full save planned: later saves replay it
         self._objects: dict[str, tuple[str, bytes]] = {}  # serialised plain values, reused while unchanged
         self._root_checked = False  # rank 0 accepted root once: later async saves prepare in the background
-        if self.async_save and dist.is_initialized():
+        if self.async_save and dist.is_initialized() and dryrun.active() is None:  # no gloo group on "fake"
             # DCP's background thread runs collectives; a group of its own keeps them apart from training's.
             # The timeout is explicit: a new group does not inherit it (docs/torch.md, "Timeouts and new groups").
             self._group = dist.new_group(backend="gloo", timeout=topo.timeout)
@@ -211,13 +211,16 @@ class Checkpointer:
         return self.folder.step_path(step)
 
     def latest_step(self) -> int | None:
-        """Step of the checkpoint ``latest`` points at, or None when there is none yet (call on all ranks)."""
+        """Step of the checkpoint ``latest`` points at, or None when there is none yet (call on all ranks); None in
+        a dry run, which reads no checkpoint folder, whatever ``root`` holds (docs/dryrun.md)."""
+        if dryrun.active() is not None:
+            return None
         self.wait()
         return self._on_rank0(self.folder.read_latest)
 
     def steps(self) -> list[int]:
-        """Steps of the committed checkpoints under ``root`` (read locally, no collective)."""
-        return self.folder.steps()
+        """Steps of the committed checkpoints under ``root`` (read locally, no collective); none in a dry run."""
+        return [] if dryrun.active() is not None else self.folder.steps()
 
     # ------------------------------------------------------------------ save
 
@@ -452,9 +455,12 @@ class Checkpointer:
         DCP reshards model and optimizer and the RNG streams are re-derived from ``rng_seed``, the step and
         the data rank (ranks holding the same samples share a stream). Rank 0 logs what was resharded.
         Objects other than modules and optimizers get their saved ``state_dict()`` through ``load_state_dict``.
+        A dry run reads nothing: the objects keep their state, and the info says so (docs/dryrun.md).
         """
         self.wait()
         kinds = classify(objects)
+        if dryrun.active() is not None:
+            return self._dry_load(step, kinds)
         owners = optimizer_owners(objects, kinds)
         number, path_text, meta = self._on_rank0(lambda: self._validate(step, kinds))
         path = Path(path_text)
@@ -489,6 +495,12 @@ class Checkpointer:
             rng=rng,
             message=message,
         )
+
+    def _dry_load(self, step: int | str, kinds: Mapping[str, str]) -> CheckpointInfo:
+        """What :meth:`load` answers in a dry run: nothing read from ``root``, every object as it was."""
+        mesh, text = dict(self.topology.sizes), f"dry run: checkpoint {step!r} of {self.root} not read"
+        dryrun.note_load(self.root, step, list(kinds))
+        return CheckpointInfo(0, str(self.root), {}, list(kinds), False, mesh, mesh, "not restored", text)
 
     def _validate(self, step: int | str, kinds: Mapping[str, str]) -> tuple[int, str, dict[str, Any]]:
         """Rank 0: find the folder, read the metadata, check every file the objects need."""

@@ -4,6 +4,7 @@ and clip gradients by their global norm across every mesh they live on."""
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import Any
@@ -13,8 +14,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from meshwise.dryrun import note_model
-from meshwise.errors import ParallelError
+from meshwise import compat
+from meshwise.dryrun import note_advice, note_model
+from meshwise.errors import ParallelError, PlacementWarning
 from meshwise.parallel.pipeline import Cut, check_schedule, pipeline_of, split_model, stage_plan
 from meshwise.parallel.precision import (
     ActivationCheckpointing,
@@ -63,12 +65,8 @@ def _state_kind(module: nn.Module) -> str | None:
     if isinstance(module, DistributedDataParallel):
         return "ddp"
     if isinstance(module, FSDPModule):
-        from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
-
-        return "replicate" if isinstance(module, ReplicateModule) else "fsdp"
-    from torch.distributed._composable.contract import _get_registry
-
-    if "replicate" in (_get_registry(module) or {}):  # legacy composable replicate (a DDP underneath)
+        return "replicate" if isinstance(module, compat.replicate_module_type()) else "fsdp"
+    if compat.LEGACY_REPLICATE_KEY in compat.composable_registry(module):  # legacy replicate (a DDP underneath)
         return "legacy-replicate"
     return None
 
@@ -328,12 +326,54 @@ def _apply_data_parallel(
     named = dict(model.named_modules())
     if dp == "fsdp":
         from torch.distributed.fsdp import fully_shard as wrap
+
+        _advise_empty_shards(model, topology, kwargs)
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+        wrap = compat.replicate_with_fsdp()
     for unit in units:
         wrap(named[unit], mesh=dp_mesh, **dict(kwargs or {}))
     wrap(model, mesh=dp_mesh, **dict(kwargs or {}))
     return model
+
+
+def _rows_sharded(p: torch.Tensor, placement_fn: Any) -> tuple[int, int]:
+    """(dim, size) of what FSDP2 shards over the data-parallel ranks: dim 0 (or the dim ``shard_placement_fn``
+    picks) of the parameter, as tensor parallel left it on this rank (each ``Shard`` of that dim divides it)."""
+    chosen = placement_fn(p) if placement_fn is not None else None
+    dim = getattr(chosen, "dim", 0) if chosen is not None else 0
+    size = p.shape[dim]
+    if isinstance(p, DTensor):
+        for mesh_dim, placement in enumerate(p.placements):
+            if placement.is_shard(dim):
+                size = -(-size // p.device_mesh.size(mesh_dim))
+    return dim, size
+
+
+def _advise_empty_shards(model: nn.Module, topology: Topology, kwargs: Mapping[str, Any] | None) -> None:
+    """Warn once (rank 0, or the rank a dry run plays) when FSDP2 would leave trailing data-parallel ranks with
+    empty shards: a parameter whose sharded dim has fewer rows than there are data-parallel ranks."""
+    metric = topology.metric_dims
+    ranks = topology.size(metric)
+    placement_fn = dict(kwargs or {}).get("shard_placement_fn")
+    small = []
+    for name, p in model.named_parameters():
+        if p.ndim:
+            dim, size = _rows_sharded(p, placement_fn)
+            if size < ranks:
+                small.append(f"{name} ({size} along dim {dim})")
+    if not small or (topology.rank != 0 and topology.environment.launcher != "dry-run"):
+        return
+    listing = ", ".join(small[:8]) + (f", ... ({len(small)} in all)" if len(small) > 8 else "")
+    message = (
+        f"FSDP2 shards each parameter over the {ranks} data-parallel ranks of {'+'.join(metric)}, but "
+        f"{len(small)} parameter(s) have fewer rows there: {listing}. The trailing data-parallel ranks hold empty "
+        "shards of them (their memory and optimizer state sit on the first ranks). Fix: shard them along a longer "
+        "dim with parallelize(..., fsdp_kwargs={'shard_placement_fn': lambda p: Shard(1) if p.ndim > 1 and "
+        f"p.shape[0] < {ranks} else None}}), keep them out with fsdp_kwargs={{'ignored_params': ...}}, or use "
+        "dp='replicate'"
+    )
+    note_advice(message)  # a dry run's report lists it too
+    warnings.warn(message, PlacementWarning, stacklevel=5)
 
 
 def _check_parallelize_input(model: nn.Module, topology: Topology, dp: str) -> None:
@@ -470,10 +510,10 @@ def local_norm_contribution(grads: Sequence[torch.Tensor], topology: Topology, n
     total = torch.zeros((), dtype=torch.float64, device=device)
     for copies, tensors in buckets.items():
         if math.isinf(norm_type):
-            norms = torch._foreach_norm(tensors, math.inf)
+            norms = compat.foreach_norm(tensors, math.inf)
             total = torch.maximum(total, torch.stack(norms).max().to(device, torch.float64))
         else:
-            norms = torch._foreach_norm(tensors, norm_type)
+            norms = compat.foreach_norm(tensors, norm_type)
             part = torch.stack([n.to(device, torch.float64) for n in norms]).pow(norm_type).sum()
             total = total + part / copies
     return total
@@ -486,7 +526,7 @@ def scale_grads(grads: Sequence[torch.Tensor], factor: float) -> None:
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     locals_ = [t for t in locals_ if t.numel()]
     if locals_:
-        torch._foreach_mul_(locals_, factor)
+        compat.foreach_mul_(locals_, factor)
 
 
 def norm_from_power(power: float, norm_type: float) -> float:
