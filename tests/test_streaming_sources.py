@@ -223,24 +223,29 @@ def write_docs(folder: Path, name: str, lengths, seed: int) -> list[str]:
     return files
 
 
+def _unbroken_and_resumed(make, topo, workers: int) -> dict:
+    """An unbroken pass whose state is also taken after its first batch, and a fresh loader resumed from that."""
+    ld = mesh_dataloader(make(), topo, global_batch_size=6, num_workers=workers)
+    train, state = [], None
+    for batch in ld:
+        train += ids([batch])
+        if state is None:
+            state = json.loads(json.dumps(ld.state_dict()))  # a collective, at the same step on every rank
+    again = mesh_dataloader(make(), topo, global_batch_size=6, num_workers=workers)
+    again.load_state_dict(state)
+    return {"train": train, "resumed": ids(again), "state": state}
+
+
 def _stream_run(topo, files):
     out = {"data_rank": topo.data_rank}
     for name, make in (("torch", lambda: Counting(17)), ("hf", lambda: hf_stream(files))):
         for workers in (0, 2):
-            res = {}
-            res["train"] = ids(mesh_dataloader(make(), topo, global_batch_size=6, num_workers=workers))
+            res = _unbroken_and_resumed(make, topo, workers)
             if not workers:
                 res["eval"] = ids(mesh_dataloader(make(), topo, global_batch_size=6, mode="eval"))
-            ld = mesh_dataloader(make(), topo, global_batch_size=6, num_workers=workers)
-            next(iter(ld))
-            state = ld.state_dict()
-            again = mesh_dataloader(make(), topo, global_batch_size=6, num_workers=workers)
-            again.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint stores it
-            res["resumed"] = ids(again)
-            res["state"] = state
             if name == "torch" and workers:  # a torch stream's position is one count: any worker count resumes it
                 plain = mesh_dataloader(make(), topo, global_batch_size=6)
-                plain.load_state_dict(state)
+                plain.load_state_dict(res["state"])
                 res["resumed_w0"] = ids(plain)
             out[name + ("_w" if workers else "")] = res
     try:  # another file list of the same shard count
