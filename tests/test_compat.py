@@ -205,7 +205,8 @@ def test_engine_event_handlers() -> None:
         lambda: entry is not None and entry[0][-1:] == (1,) and entry[1] == {"key": 2},
     )
     wrapper = next(h for _, h, _, _ in listing if h is not every)
-    _check("the filter wrapper's __wrapped__", "ignite", lambda: getattr(wrapper, "__wrapped__", None) is filtered)
+    _check("the filter wrapper's _parent", "ignite", lambda: compat.handler_parent(wrapper) is filtered)
+    _check("handler_parent of a plain handler", "ignite", lambda: compat.handler_parent(every) is every)
     _check("has_event_handler", "ignite", lambda: engine.has_event_handler(filtered, Events.ITERATION_COMPLETED))
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "gloo_options",
+    "handler_parent",
     "hf_class_pp_plan",
     "hf_class_tp_plan",
     "ignite_native_model_type",
@@ -198,6 +199,14 @@ def event_handlers(engine: Any) -> list[tuple[Any, Callable[..., Any], tuple, di
     """``Engine._event_handlers``: every ``(event, handler, args, kwargs)`` registered on ``engine``. ignite 0.5.5
     has no public listing: ``has_event_handler`` needs the handler already in hand."""
     return [(event, h, args, kwargs) for event, hs in engine._event_handlers.items() for h, args, kwargs in hs]
+
+
+def handler_parent(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper._parent``: the handler an event-filter wrapper of ignite stands for (a weak reference), else
+    ``handler`` itself. Not ``__wrapped__``: on a metric's bound method whose function is decorated, that is the bare
+    function, without the metric. No public API (``has_event_handler`` reads ``_parent`` itself)."""
+    parent = getattr(handler, "_parent", None)
+    return parent() if callable(parent) else handler
 
 
 # =========================================================================== torchmetrics

@@ -488,7 +488,7 @@ def _attached(engine: Engine) -> tuple[dict[Any, list[Metric]], list[Metric]]:
     tops: dict[Any, list[Metric]] = {}
     updated: list[Metric] = []
     for event, handler, _args, _kwargs in compat.event_handlers(engine):
-        handler = getattr(handler, "__wrapped__", handler)  # an event filter's wrapper (functools.wraps)
+        handler = compat.handler_parent(handler)  # an event filter's wrapper stands for its handler
         owner = getattr(handler, "__self__", None)
         if not isinstance(owner, Metric):
             continue
