@@ -23,7 +23,6 @@ __all__ = [
     "checkpoint_module",
     "clear_metric_computed",
     "composable_registry",
-    "dataset_indices",
     "default_store",
     "event_handlers",
     "fake_store",
@@ -259,12 +258,6 @@ def set_metric_to_sync(metric: Any, flag: bool) -> None:
 
 
 # =========================================================================== datasets
-
-
-def dataset_indices(dataset: Any) -> Any:
-    """``datasets.Dataset._indices``: the Arrow table of row numbers of a ``select``/``shuffle`` view, or None.
-    Public: ``flatten_indices()``, which copies the table."""
-    return dataset._indices
 
 
 def iterable_source_kwargs(dataset: Any) -> dict[str, Any]:
