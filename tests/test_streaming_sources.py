@@ -132,6 +132,10 @@ def test_stream_errors(tmp_path):
     short.load_state_dict(state)
     with pytest.raises(DataError, match="past the end"):
         list(short)
+    short = mesh_dataloader(Counting(1), one, global_batch_size=2, num_workers=2)  # raised in a worker, re-raised here
+    short.load_state_dict(state)
+    with pytest.raises(DataError, match="past the end"):
+        list(short)
     with pytest.raises(DataError, match="not a streaming"):
         ld.load_state_dict({"epoch": 0})
 
