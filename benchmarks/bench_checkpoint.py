@@ -8,8 +8,10 @@ under the same folder (``--dir``, default the system temp folder), into the page
 fsyncs (meshwise fsyncs in a thread of rank 0 after the call returns), and every timed operation starts after an
 ``os.sync()`` so no earlier writeback is pending. Each time is that of the slowest rank; one untimed warm-up
 repeat first (the async stager allocates its buffers then); the ratios are medians over repeats of the ratio
-within one repeat. One more, untimed, sync save counts the collectives a save runs. Final line:
-``RESULT save_ratio=... async_block_ratio=... load_s=... dcp_ratio=... sync_collectives=...``.
+within one repeat. A second baseline is the same ``torch.save`` without the zip CRC32 (``torch.load`` never checks
+it; meshwise's shard files skip it): ``nocrc_ratio`` is the sync save against that one. One more, untimed, sync save
+counts the collectives a save runs. Final line: ``RESULT save_ratio=... async_block_ratio=... load_s=...
+dcp_ratio=... nocrc_ratio=... sync_collectives=...``.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--mib 128] [--repeats 5] [--warmup 1] [--dir /tmp]
 """
@@ -112,7 +114,7 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         }
         return {"model": local, "optim": {"state": ostate, "param_groups": osd["param_groups"]}}
 
-    names = ("plain", "dcp", "sync", "async_call", "async_total", "load")
+    names = ("plain", "plain_nocrc", "dcp", "sync", "async_call", "async_total", "load")
     times: dict[str, list[float]] = {k: [] for k in names}
     written: dict[str, int] = {}  # bytes on disk of the last repeat, all ranks together
     st = local_state()
@@ -142,6 +144,20 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         written["plain"] = int(_total(_size(plain_dir / f"step-{rep}-rank-{topo.rank}.pt")))
         if rep:
             os.remove(plain_dir / f"step-{rep - 1}-rank-{topo.rank}.pt")  # keep one, as keep_last=1 does
+
+    def plain_nocrc_save(rep: int) -> None:
+        """The same torch.save without the zip CRC32 that torch.load never checks (meshwise's shards skip it)."""
+        _quiet()
+        torch.serialization.set_crc32_options(False)
+        try:
+            t = time.perf_counter()
+            torch.save(local_state(), plain_dir / f"nocrc-{rep}-rank-{topo.rank}.pt")
+            dist.barrier()
+            record(rep, "plain_nocrc", _slowest(time.perf_counter() - t))
+        finally:
+            torch.serialization.set_crc32_options(True)
+        if rep:
+            os.remove(plain_dir / f"nocrc-{rep - 1}-rank-{topo.rank}.pt")
 
     def dcp_save(rep: int) -> None:
         _quiet()
@@ -176,11 +192,12 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         record(rep, "async_total", _slowest(time.perf_counter() - t))
         settle()
 
-    saves = [plain_save, dcp_save, sync_save, async_save]
+    saves = [plain_save, plain_nocrc_save, dcp_save, sync_save, async_save]
     fresh = fresh_opt = None
     for rep in range(warmup + repeats):
         train_step()
-        for op in saves[rep % 4 :] + saves[: rep % 4]:  # each save first in turn: no order effect
+        turn = rep % len(saves)
+        for op in saves[turn:] + saves[:turn]:  # each save first in turn: no order effect
             op(rep)
         del fresh, fresh_opt
         fresh = _model(width, layers)
@@ -257,11 +274,13 @@ def main() -> None:
     save_ratio = statistics.median(s / p for s, p in zip(t["sync"], t["plain"]))
     block_ratio = statistics.median(a / s for a, s in zip(t["async_call"], t["sync"]))
     dcp_ratio = statistics.median(d / p for d, p in zip(t["dcp"], t["plain"]))
+    nocrc_ratio = statistics.median(s / p for s, p in zip(t["sync"], t["plain_nocrc"]))
     print(f"DCP alone / torch.save: {dcp_ratio:.2f}; meshwise sync save / DCP alone: {med['sync'] / med['dcp']:.2f}")
+    print(f"meshwise sync save / torch.save without CRC32: {nocrc_ratio:.2f}")
     print(f"collectives of one sync save: {', '.join(out['collectives'])}")
     print(
         f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} load_s={med['load']:.3f} "
-        f"dcp_ratio={dcp_ratio:.2f} sync_collectives={len(out['collectives'])}"
+        f"dcp_ratio={dcp_ratio:.2f} nocrc_ratio={nocrc_ratio:.2f} sync_collectives={len(out['collectives'])}"
     )
 
 
