@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import pickle
 import random
 import warnings
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION
+from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, fsync_dir
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.parallel.apply import reshard
 
@@ -188,11 +189,21 @@ def digest(state: Any) -> str | None:
         return None
 
 
-def write_files(files: Mapping[Path, Any]) -> str | None:
-    """``torch.save`` each value to its path; the error as text (reported at the commit), or None."""
+def write_files(files: Mapping[Path, Any], fsync: bool = False) -> str | None:
+    """``torch.save`` each value to its path (``fsync``: and onto the disk before returning); the error as text
+    (reported at the commit), or None."""
     try:
         for path, value in files.items():
             torch.save(value, path)
+            if fsync:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        if fsync:
+            for folder in {path.parent for path in files}:
+                fsync_dir(folder)  # the files' names too
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return None

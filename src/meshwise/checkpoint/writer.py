@@ -238,7 +238,7 @@ class CommitWriter(FileSystemWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         report = dict(self._report)
         if report["error"] is None:
-            report["error"] = write_files(self._files)
+            report["error"] = write_files(self._files, fsync=self.sync_files)  # an async save publishes at once
         results = write_shard(self, plan, planner)
         results.append(WriteResult(index=MetadataIndex(REPORT), size_in_bytes=0, storage_data=report))
         fut: Future[list[WriteResult]] = Future()
