@@ -129,6 +129,49 @@ def test_train_step_alone_keeps_its_state(topo):
     assert torch.allclose(model.weight, reference.weight, atol=1e-7)
 
 
+@pytest.mark.parametrize("weight", ["labels", "samples"])
+def test_a_resumed_run_with_changing_counts_equals_an_unbroken_one(topo, weight):
+    """Counts that change every step (ignored labels, padding rows) resume bit-equal: under "labels" backward is
+    scaled by the step's own count; otherwise the step's reference (last global count) is in the engine state."""
+    import torch
+    import torch.nn.functional as F
+
+    from meshwise.engine import create_trainer
+
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for units in (5, 3, 4, 2):  # counts change every step; the resume follows a count of 3 (no power of two)
+        target = torch.randint(0, 5, (6,), generator=g)
+        valid = torch.arange(6) < units
+        batch = {"input": torch.randn(6, 3, generator=g, dtype=torch.float64), "target": target}
+        batches.append(
+            {**batch, "target": target.masked_fill(~valid, -100)} if weight == "labels" else {**batch, "valid": valid}
+        )
+
+    class Float32Island(torch.nn.Module):  # as Hugging Face's RMSNorm inside a float64 model: backward rounds
+        def forward(self, x):
+            return torch.tanh(x.float()).to(x.dtype)
+
+    def trainer_for():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 8), Float32Island(), torch.nn.Linear(8, 5)).double()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return model, opt, create_trainer(model, opt, F.cross_entropy, loss_weight=weight)
+
+    model, _, trainer = trainer_for()
+    trainer.run(batches, max_epochs=1)
+    model2, opt2, trainer2 = trainer_for()
+    trainer2.run(batches[:2], max_epochs=1)
+    saved = (trainer2.state_dict(), model2.state_dict(), opt2.state_dict())
+    model3, opt3, trainer3 = trainer_for()
+    trainer3.load_state_dict({**saved[0], "epoch_length": 4})  # the same run, now told its full length
+    model3.load_state_dict(saved[1])
+    opt3.load_state_dict(saved[2])
+    trainer3.run(batches[2:], max_epochs=1)  # a list has no cursor: hand it the batches left
+    assert trainer3.state.iteration == 4
+    assert all(torch.equal(a, b) for a, b in zip(model3.parameters(), model.parameters()))
+
+
 def test_progress_bar_periodic_evaluation_and_time_budget(topo):
     import io
 

@@ -85,8 +85,8 @@ class PipelineTrainStep(TrainStep):
         self._selected: list[tuple[dict[str, Any], slice | torch.Tensor | None, bool]] = []
         self._losses: dict[int, torch.Tensor] = {}
 
-    def train(self, batch: Batch) -> float:
-        """:meth:`TrainStep.train`, with backward scaled by this step's own global count, not the previous one's.
+    def counts_first(self) -> bool:
+        """Backward is scaled by this step's own global count, not the previous one's, under a built-in weight.
 
         The count travels in one scalar world all-reduce before the schedule runs. Scaling by the exact count
         gives each rank's gradients as one process's times the data-parallel size, so float32 islands inside
@@ -95,16 +95,7 @@ class PipelineTrainStep(TrainStep):
         islands round differently (1e-6 off one process after 3 steps of a tiny Llama under ``"labels"``).
         A ``loss_weight`` function keeps the previous step's count (its counts need not add over rows).
         """
-        batch = ready_batch(batch, self.prepare, self.topology.device, "trainer")
-        if not callable(self.loss_weight):
-            count = self._global_count(batch)
-            if count > 0:
-                self.reference = count
-        prepare, self.prepare = self.prepare, None  # applied above: TrainStep.train must not apply it again
-        try:
-            return super().train(batch)
-        finally:
-            self.prepare = prepare
+        return not callable(self.loss_weight)
 
     def _global_count(self, batch: Batch) -> float:
         """The global batch's count (valid rows only) under a built-in ``loss_weight``: the last stage counts."""
