@@ -383,13 +383,7 @@ def context_parallel(
     from meshwise.parallel.hf import hf_context_parallel, is_hf_model
 
     if is_hf_model(model):  # transformers' own attention, routed through its AttentionInterface
-        if (kind, ring_above) != ("auto", RING_ABOVE):
-            raise ParallelError(
-                f"context_parallel(kind={kind!r}, ring_above={ring_above}) on a transformers model: its attention "
-                "route calls meshwise's attention with the defaults (kind='auto', ring above "
-                f"{RING_ABOVE} tokens), so the choice would be ignored: leave kind and ring_above at their defaults"
-            )
-        return hf_context_parallel(model, ContextAttention(topology, dim))
+        return hf_context_parallel(model, ContextAttention(topology, dim, kind, ring_above))
     attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
     if not attention_modules:
         raise ParallelError(

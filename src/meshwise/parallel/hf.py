@@ -184,7 +184,17 @@ def _meshwise_cp_attention(
     groups = query.shape[1] // key.shape[1]  # grouped-query attention: each kv head serves `groups` query heads
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = attention(query, key, value, position_ids, attn.topology, dim=attn.dim, scale=scaling)
+    out = attention(
+        query,
+        key,
+        value,
+        position_ids,
+        attn.topology,
+        dim=attn.dim,
+        scale=scaling,
+        kind=attn.kind,
+        ring_above=attn.ring_above,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
