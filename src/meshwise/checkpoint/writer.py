@@ -156,7 +156,8 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
 
     Each tensor is written as its archive's frame around its storage's bytes (:func:`_make_frame`): no ``torch.save``
     per tensor, three writes; the bytes are those ``torch.save`` writes. A writer with other options than meshwise's
-    (several files or threads, stream extensions, safetensors) goes through DCP's own ``write_data``.
+    (several files or threads, stream extensions, safetensors), or a plan holding tensors on a device (a sync save
+    on GPU), goes through DCP's own ``write_data``, still without CRC32.
     """
     default = (
         writer.single_file_per_rank
@@ -164,7 +165,9 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
         and not writer.transforms.extensions  # PRIVATE (torch): the stream extensions (_StorageWriterTransforms)
         and writer.serialization_format == SerializationFormat.TORCH_SAVE
     )
-    if not default:
+    tensors = {i.index: planner.resolve_data(i) for i in plan.items if i.type != WriteItemType.BYTE_IO}
+    if not default or any(t.device.type != "cpu" for t in tensors.values()):
+        # device tensors: DCP's writer overlaps their copies to the host with the writes
         with without_crc32():
             return list(FileSystemWriter.write_data(writer, plan, planner).wait())
     name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"  # PRIVATE (torch): the prefix DCP's global plan gave
@@ -174,11 +177,11 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
     with without_crc32(), open(Path(writer.path) / name, "wb") as stream:
         for item in items:
             offset = stream.tell()
-            data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
-                stream.write(data.getbuffer())
+                stream.write(planner.resolve_data(item).getbuffer())
             else:
-                tensor = data.detach().cpu()  # as DCP's loader: a view of a larger storage is written alone
+                data = tensors[item.index]
+                tensor = data.detach()  # as DCP's loader: a view of a larger storage is written alone
                 if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
                     tensor = tensor.clone()
                 frame = _framed(tensor)
