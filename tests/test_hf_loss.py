@@ -1,7 +1,7 @@
 """``loss_weight="labels"``: the causal-LM loss as Hugging Face means it (mean over the non-ignored labels of
 the whole global batch) matches one float64 process on dp=4, dp=2 x tp=2 and pipelined at pp=2 x dp=2; -100
 labels under the sample or token weighting are refused; a transformers ``ModelOutput`` reaches ``loss_fn`` as
-its logits, from a plain model and from the last pipeline stage alike."""
+its logits, from a plain model and from the last pipeline stage alike, and the evaluator's metrics as well."""
 
 from __future__ import annotations
 
@@ -186,5 +186,21 @@ def test_ignored_labels_under_count_weightings_are_refused_and_empty_micro_is_fi
         assert trainer.state.loss_count == float((partly["target"] != -100).sum())
         assert all(torch.isfinite(p).all() for p in model.parameters())
         assert any((p - b).abs().max() > 0 for p, b in zip(model.parameters(), before))
+        # the evaluator hands its metrics the ModelOutput's logits, as the trainer hands them to loss_fn
+        from torchmetrics import MeanMetric
+
+        class LabelsLoss(MeanMetric):
+            def update(self, logits, target):
+                super().update(causal_lm_loss(logits, target), weight=float((target != -100).sum()))
+
+        evaluator = meshwise.create_evaluator(model, topo, {"loss": LabelsLoss().set_dtype(torch.float64)})
+        evaluator.run([partly, batch], max_epochs=1)
+        assert isinstance(evaluator.state.output[0], torch.Tensor)
+        with torch.no_grad():
+            expected = causal_lm_loss(
+                model(torch.cat([partly["input"], batch["input"]])).logits,
+                torch.cat([partly["target"], batch["target"]]),
+            )
+        assert abs(evaluator.state.metrics["loss"] - expected.item()) <= 1e-12
     finally:
         meshwise.shutdown()

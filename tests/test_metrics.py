@@ -329,3 +329,24 @@ def test_filter_rows_and_mean_loss_in_one_process():
     with pytest.raises(MetricError, match="broadcast"):
         loss.update(torch.ones(3), weight=torch.ones(2))
     assert torch.isnan(MeanLoss(sync_on_compute=False).compute())
+
+
+def test_a_metric_set_to_float64_keeps_float64_inside_mesh_metric():
+    """torchmetrics' .to(device) resets set_dtype's choice; MeshMetric restores it, so float64 inputs stay exact."""
+    from torchmetrics import MeanMetric, MetricCollection, SumMetric
+
+    import meshwise
+    from meshwise.metrics import MeshMetric
+
+    x = torch.rand(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    topo = meshwise.init({"dp": 1})
+    try:
+        single = MeshMetric(SumMetric().set_dtype(torch.float64), topo)
+        both = MeshMetric(MetricCollection({"a": SumMetric().set_dtype(torch.float64), "b": MeanMetric()}), topo)
+        single.update(x)
+        both.update(x)
+        assert single.compute().item() == x.sum().item()
+        result = both.compute()
+        assert result["a"].item() == x.sum().item() and result["b"].dtype == torch.float32  # each keeps its own
+    finally:
+        meshwise.shutdown()

@@ -93,3 +93,14 @@ def full_tensors(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(full_tensors(v) for v in value)
     return value
+
+
+def loss_input(output: Any) -> Any:
+    """What ``loss_fn`` gets of the model's output: a transformers ``ModelOutput``'s ``logits``, else the output.
+
+    A ``ModelOutput`` is a Mapping with ``to_tuple`` (no transformers import needed); plain dicts pass
+    through unchanged, since a user's own dict output is the user's convention.
+    """
+    if isinstance(output, Mapping) and hasattr(output, "to_tuple") and "logits" in output:
+        return output["logits"]
+    return output

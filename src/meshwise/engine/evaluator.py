@@ -13,7 +13,7 @@ from torchmetrics import Metric, MetricCollection
 
 from meshwise.data import MeshSampler
 from meshwise.debug import guarded
-from meshwise.engine.batch import Batch, full_tensors, ready_batch
+from meshwise.engine.batch import Batch, full_tensors, loss_input, ready_batch
 from meshwise.errors import MetricError
 from meshwise.metrics import MeshMetric, Select, adopt_ignite_metrics, compute_all
 from meshwise.parallel.apply import reshard
@@ -155,7 +155,7 @@ class _EvalStep:
             batch = ready_batch(batch, self.prepare, topo.device, "evaluator", MetricError)
             engine.state.batch = batch  # ignite metrics leave out the rows its "valid" marks as padding
             with torch.no_grad():
-                output = full_tensors(self.forward(self.model, batch))
+                output = full_tensors(loss_input(self.forward(self.model, batch)))  # as the trainer
                 self.metrics.update(output, batch, self.select)
             # ignite's convention for an evaluator's output: what its metrics update with, (y_pred, y)
             return self.select(output, batch)
@@ -178,7 +178,8 @@ def create_evaluator(
 
     Every rank runs the forward on every batch (tensor-parallel layers have collectives inside), in eval
     mode under ``torch.no_grad()``: ``output = forward(model, batch)`` (default ``model(batch[input_key])``;
-    a DTensor output becomes its full tensor). Each metric then updates with ``select(output, batch)``
+    a transformers ``ModelOutput`` becomes its ``logits``, as in the trainer; a DTensor output its full tensor).
+    Each metric then updates with ``select(output, batch)``
     (default ``(output, batch[target_key])``; a :class:`MeshMetric`'s own ``select`` wins), keeping only the
     rows where ``batch["valid"]`` is True. The metrics are held by an :class:`EvalMetrics` handler: reset at
     every epoch start; at ``EPOCH_COMPLETED`` computed with one fused sync over the topology's batch + split

@@ -17,7 +17,7 @@ from torch import nn
 from meshwise.debug import guarded
 from meshwise.debug.replicas import check_replicas, needs_check
 from meshwise.dryrun import note_trainer
-from meshwise.engine.batch import Batch, local_value, ready_batch, row_count, split_rows, take_rows
+from meshwise.engine.batch import Batch, local_value, loss_input, ready_batch, row_count, split_rows, take_rows
 from meshwise.engine.ignite_habits import check_model, run_ignite_checks
 from meshwise.errors import MeshwiseError
 from meshwise.parallel.apply import (
@@ -56,17 +56,6 @@ def _check_options(
         )
     if loss_weight in ("tokens", "labels") and target_key is None:
         raise MeshwiseError(f"loss_weight={loss_weight!r} counts the elements of batch[target_key]: set target_key")
-
-
-def loss_input(output: Any) -> Any:
-    """What ``loss_fn`` gets of the model's output: a transformers ``ModelOutput``'s ``logits``, else the output.
-
-    A ``ModelOutput`` is a Mapping with ``to_tuple`` (no transformers import needed); plain dicts pass
-    through unchanged, since a user's own dict output is the user's convention.
-    """
-    if isinstance(output, Mapping) and hasattr(output, "to_tuple") and "logits" in output:
-        return output["logits"]
-    return output
 
 
 def _refuse_ignored(target: Any, loss_weight: str) -> None:

@@ -136,8 +136,11 @@ class MeshMetric:
         self.name = name or type(metric).__name__
         self.last_collectives = 0
         self.group = topo.group(self.dims) if topo.size(self.dims) > 1 else None
+        dtypes = [leaf.dtype for leaf in leaves(metric)]
         metric.to(topo.device)
-        for leaf in leaves(metric):
+        for leaf, dtype in zip(leaves(metric), dtypes):
+            if leaf.dtype != dtype:  # torchmetrics' .to(device) resets set_dtype's choice to the default dtype,
+                leaf.set_dtype(dtype)  # and update() would then round float64 inputs to float32 (9e-6 off)
             self._adopt(leaf)
 
     def _adopt(self, leaf: Metric) -> None:
