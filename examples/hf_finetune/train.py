@@ -80,18 +80,18 @@ def write_pretrained(folder: Path, seed: int) -> None:
 def make_data(samples: int, seq_len: int, vocab: int, seed: int, answer: int = 8) -> dict[str, torch.Tensor]:
     """Prompt-and-answer rows of counting sequences ``start, start + step, ...`` (mod vocab), padded to ``seq_len``.
 
-    A row is a prompt of 1 to ``seq_len + 1 - answer`` tokens, then ``answer`` tokens, then padding. ``input`` is
+    A row is a prompt of 1 or more tokens, then an answer of 2 to ``answer`` tokens, then padding. ``input`` is
     its tokens but the last (pad 0 after its end); ``target`` the next token where that is an answer token,
-    ``-100`` on the prompt and the padding, so every row scores exactly ``answer`` labels (docs/hf.md says why
-    the example keeps that count fixed)."""
+    ``-100`` on the prompt and the padding, so rows (and global batches) score different numbers of labels."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, vocab, (samples, 1), generator=g)
     step = torch.randint(1, 8, (samples, 1), generator=g)
     tokens = (start + step * torch.arange(seq_len + 1)) % vocab
-    prompt = torch.randint(1, seq_len + 2 - answer, (samples, 1), generator=g)
+    answers = torch.randint(2, answer + 1, (samples, 1), generator=g)
+    prompt = 1 + (torch.rand(samples, 1, generator=g) * (seq_len + 1 - answers)).long()
     position = torch.arange(seq_len + 1)
-    inputs = torch.where(position < prompt + answer, tokens, 0)[:, :-1]
-    scored = (position >= prompt) & (position < prompt + answer)  # the answer tokens, as next tokens
+    inputs = torch.where(position < prompt + answers, tokens, 0)[:, :-1]
+    scored = (position >= prompt) & (position < prompt + answers)  # the answer tokens, as next tokens
     labels = torch.where(scored, tokens, IGNORE)[:, 1:]
     return {"input": inputs.contiguous(), "target": labels.contiguous()}
 

@@ -1,6 +1,6 @@
 """The ignite engines of a run and their handlers (layer 8: uses every layer below).
 
-:mod:`~meshwise.engine.trainer` (``create_trainer``, ``TrainStep``), :mod:`~meshwise.engine.evaluator`
+:mod:`~meshwise.engine.trainer` (``create_trainer``, ``TrainStep``, ``MeshEngine``), :mod:`~meshwise.engine.evaluator`
 (``create_evaluator``, ``EvalMetrics``), :mod:`~meshwise.engine.batch` (batch preparation both share),
 :mod:`~meshwise.engine.handlers` (``Checkpointing``, ``ProgressBar``, ``PeriodicEvaluation``, ``TimeBudget``),
 :mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``) and :mod:`~meshwise.engine.ignite_habits`
@@ -13,12 +13,13 @@ from meshwise.engine.evaluator import EvalMetrics, create_evaluator
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
 from meshwise.engine.ignite_habits import on_mesh
 from meshwise.engine.run_log import RunLogger, setup_logging
-from meshwise.engine.trainer import TrainStep, create_trainer
+from meshwise.engine.trainer import MeshEngine, TrainStep, create_trainer
 
 __all__ = [
     "Checkpointing",
     "EngineState",
     "EvalMetrics",
+    "MeshEngine",
     "PeriodicEvaluation",
     "ProgressBar",
     "RunLogger",
