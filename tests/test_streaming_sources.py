@@ -257,7 +257,33 @@ def _stream_run(topo, files):
         out["other_files"] = "no error"
     except DataError as exc:
         out["other_files"] = str(exc)
+    out["world_split"] = _world_split_habit(topo, files)
     return out
+
+
+def _world_split_habit(topo, files) -> str:
+    """A user's habit: datasets' split_dataset_by_node over the world, a plain DataLoader, meshwise's trainer."""
+    import torch.distributed as dist
+    from datasets.distributed import split_dataset_by_node
+
+    import meshwise
+
+    ds = split_dataset_by_node(hf_stream(files), rank=dist.get_rank(), world_size=dist.get_world_size())
+    loader = torch.utils.data.DataLoader(ds.select_columns(["id"]).with_format("torch"), batch_size=2)
+    model = meshwise.parallelize(torch.nn.Linear(1, 1).double(), topo)
+    trainer = meshwise.create_trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        lambda out, batch: out.mean(),
+        topo,
+        forward=lambda m, b: m(b["id"].double()[:, None]),
+        target_key=None,
+    )
+    try:
+        trainer.run(loader, max_epochs=1, epoch_length=1)
+    except DataError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _cp_model():
@@ -448,6 +474,8 @@ def test_stream_distributed(launched):
     assert r0["torch"]["eval"][-1] == [12, 14, 16] and r1["torch"]["eval"][-1] == [13, 15, -1]
     assert any(-1 in batch for r in (r0, r1) for batch in r["hf"]["eval"])
     assert "another source" in r0["other_files"]
+    for r in (x["tp"] for x in res):  # tp peers read other samples: the replica check names the habit and the fix
+        assert "split_dataset_by_node(ds, rank=topo.data_rank" in r["world_split"], r["world_split"]
     with pytest.raises(DataError, match="data size 2"):  # resume at another dp size
         mesh_dataloader(Counting(17), layout_topology({"dp": 1}, 0), global_batch_size=6).load_state_dict(
             r0["torch"]["state"]

@@ -24,10 +24,11 @@ from meshwise.topology import Topology
 __all__ = ["batch_fingerprint", "check_replicas", "needs_check"]
 
 _CAUSE = (
-    "Likely cause: a sampler over the whole world (ignite's idist.auto_dataloader, or a DistributedSampler "
-    "with num_replicas = world size) that gives every rank its own samples. Use meshwise.data.mesh_dataloader, "
-    "or a sampler over the data ranks only: DistributedSampler(dataset, num_replicas=topo.data_size, "
-    "rank=topo.data_rank)"
+    "Likely cause: a sampler or split over the whole world (ignite's idist.auto_dataloader, a DistributedSampler "
+    "with num_replicas = world size, or datasets' split_dataset_by_node(ds, rank=dist.get_rank(), "
+    "world_size=dist.get_world_size())) that gives every rank its own samples. Use meshwise.data.mesh_dataloader, "
+    "or split over the data ranks only: DistributedSampler(dataset, num_replicas=topo.data_size, "
+    "rank=topo.data_rank), split_dataset_by_node(ds, rank=topo.data_rank, world_size=topo.data_size)"
 )
 
 
