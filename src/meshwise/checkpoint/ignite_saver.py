@@ -18,6 +18,7 @@ import torch
 from ignite.handlers.checkpoint import BaseSaveHandler
 from torch import nn
 
+from meshwise import compat
 from meshwise.checkpoint.checkpointer import Checkpointer
 from meshwise.checkpoint.protocol import META
 from meshwise.checkpoint.state import classify, optimizer_owners
@@ -202,22 +203,20 @@ def check_ignite_checkpoints(engine: Any, topology: Topology | None = None) -> N
         topo = resolve(topology)
     except Exception:  # noqa: BLE001 - no topology: the structural checks still apply
         topo = None
-    # ignite 0.5.5 has no public listing of an engine's handlers: (handler, args, kwargs) per event
-    for event, handlers in getattr(engine, "_event_handlers", {}).items():
-        for handler, args, _ in handlers:
-            ckpt = _checkpoint_of(handler)
-            if ckpt is None or isinstance(ckpt.save_handler, MeshSaver):
-                continue
-            objects = dict(ckpt.to_save or {})
-            if isinstance(ckpt, ModelCheckpoint):
-                objects.update(next((a for a in args if isinstance(a, Mapping)), {}))
-            reasons = {n: r for n, o in objects.items() if (r := _why_not_one_file(o, topo))}
-            if reasons:
-                listing = "; ".join(f"{n}: {r}" for n, r in reasons.items())
-                raise CheckpointError(
-                    f"ignite's {type(ckpt).__name__} on {event} with {type(ckpt.save_handler).__name__} would save "
-                    f"only rank 0's state_dict(), which is not the whole state ({listing}); a resume would give "
-                    "every rank rank 0's shard. Use meshwise's save handler: Checkpoint(to_save, "
-                    "meshwise.checkpoint.MeshSaver(dirname, topo), n_saved=..., score_function=...), and "
-                    "Checkpoint.load_objects(to_load, saver.load(filename, to_load)) to resume (docs/checkpoint.md)"
-                )
+    for event, handler, args, _ in compat.event_handlers(engine):
+        ckpt = _checkpoint_of(handler)
+        if ckpt is None or isinstance(ckpt.save_handler, MeshSaver):
+            continue
+        objects = dict(ckpt.to_save or {})
+        if isinstance(ckpt, ModelCheckpoint):
+            objects.update(next((a for a in args if isinstance(a, Mapping)), {}))
+        reasons = {n: r for n, o in objects.items() if (r := _why_not_one_file(o, topo))}
+        if reasons:
+            listing = "; ".join(f"{n}: {r}" for n, r in reasons.items())
+            raise CheckpointError(
+                f"ignite's {type(ckpt).__name__} on {event} with {type(ckpt.save_handler).__name__} would save "
+                f"only rank 0's state_dict(), which is not the whole state ({listing}); a resume would give "
+                "every rank rank 0's shard. Use meshwise's save handler: Checkpoint(to_save, "
+                "meshwise.checkpoint.MeshSaver(dirname, topo), n_saved=..., score_function=...), and "
+                "Checkpoint.load_objects(to_load, saver.load(filename, to_load)) to resume (docs/checkpoint.md)"
+            )

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from meshwise import compat
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -342,8 +343,8 @@ def parts_of(model: Any, topology: Topology | None = None) -> dict[str, PartSpec
     in ``.module`` (DDP) or ``._orig_mod`` (``torch.compile``) are looked through.
     """
     inner = model
-    while not hasattr(inner, "input_parts") and (hasattr(inner, "module") or hasattr(inner, "_orig_mod")):
-        inner = getattr(inner, "module", None) or inner._orig_mod
+    while not hasattr(inner, "input_parts") and (hasattr(inner, "module") or hasattr(inner, compat.COMPILED_INNER)):
+        inner = getattr(inner, "module", None) or getattr(inner, compat.COMPILED_INNER)
     spec = getattr(inner, "input_parts", None)
     if spec is None:
         raise DataError(

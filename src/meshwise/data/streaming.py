@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise import compat
 from meshwise.data.collate import as_fields, pad_collate
 from meshwise.data.mapped import _blank, _check_specs, _positions, _SampleReader
 from meshwise.data.parts import FieldPart, as_parts
@@ -110,7 +111,7 @@ def _fingerprint(dataset: Any, hf: bool, seed: int) -> str:
     parts = [f"{type(dataset).__module__}.{type(dataset).__qualname__}", f"seed={seed}"]
     if hf:
         parts.append(f"shards={dataset.num_shards}")
-        kwargs = getattr(getattr(dataset, "_ex_iterable", None), "kwargs", None) or {}
+        kwargs = compat.iterable_source_kwargs(dataset)
         files = kwargs.get("original_files") or kwargs.get("base_files")
         if files:  # the same count of other files must not resume into the wrong ones
             parts.append("files=" + "|".join(map(str, files)))

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshwise import compat
 from meshwise.debug.crash import CrashRecord, crash_report, summary
 from meshwise.errors import CollectiveError, CollectiveTimeoutError
 from meshwise.layout import Dims, Layout
@@ -260,7 +261,7 @@ def rank_label(layout: Layout, rank: int) -> str:
 
 def default_store() -> dist.Store:
     """The rendezvous store of the default process group, where reports and fingerprints are exchanged."""
-    return dist.distributed_c10d._get_default_store()
+    return compat.default_store()
 
 
 # --------------------------------------------------------------------------- hang reports

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import nn
 
+from meshwise import compat
 from meshwise.errors import ParallelError
 
 __all__ = ["SIZE_FIELDS", "STYLES", "check_divisible", "hf_plan_strings", "hf_tp_plan", "is_hf_model"]
@@ -60,7 +61,7 @@ def hf_plan_strings(model: nn.Module) -> dict[str, str]:
             f"tp_plan='auto' reads a Hugging Face model's own plan, but {type(model).__name__} is not a transformers "
             "PreTrainedModel: pass a dict name -> ColwiseParallel()/RowwiseParallel() instead"
         )
-    own = getattr(model, "_tp_plan", None)
+    own = getattr(model, "tp_plan", None)
     if own and any(k.startswith(f"{model.base_model_prefix}.") for k in own):
         return dict(own)
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
@@ -68,7 +69,7 @@ def hf_plan_strings(model: nn.Module) -> dict[str, str]:
     inner = getattr(model, prefix, None) if prefix else None
     if isinstance(inner, nn.Module) and inner is not model:
         base = {f"{prefix}.{k}": v for k, v in base.items()}
-    plan = {**base, **dict(getattr(type(model), "_tp_plan", None) or {})}
+    plan = {**base, **compat.hf_class_tp_plan(type(model))}
     if not plan:
         raise ParallelError(
             f"{type(model).__name__} declares no tensor-parallel plan (config.base_model_tp_plan is empty): pass "
@@ -236,7 +237,7 @@ def hf_context_parallel(model: nn.Module, attn: Any) -> nn.Module:
     if not modules:
         raise ParallelError(f"{type(model).__name__} has no transformers attention module to route")
     for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-        config._attn_implementation = ATTN_IMPLEMENTATION
+        compat.set_attn_implementation(config, ATTN_IMPLEMENTATION)
     for m in modules:
         setattr(m, ENTRY_POINT, attn)
     model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshwise import compat
 from meshwise.errors import ParallelError
 from meshwise.parallel.hf import is_hf_model
 
@@ -27,7 +28,7 @@ def _part_names(model: nn.Module) -> tuple[str, str, str, str, str] | None:
     prefix = model.base_model_prefix
     base = getattr(model, prefix, None) if prefix else None
     plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
-    heads = list(getattr(type(model), "_pp_plan", None) or {})
+    heads = list(compat.hf_class_pp_plan(type(model)))
     if not isinstance(base, nn.Module) or base is model or len(plan) != 3 or len(heads) != 1:
         return None
     embed, layers, norm = plan
@@ -52,7 +53,7 @@ def hf_decoder_parts(model: nn.Module) -> tuple[str, str, str, str, str] | None:
 def hf_units(model: nn.Module) -> list[str]:
     """The pieces of a decoder-only model a cut may separate, in order (``model.layers.k`` one per layer)."""
     prefix, embed, layers, norm, head = hf_decoder_parts(model)  # type: ignore[misc]
-    blocks = [f"{prefix}.{layers}.{k}" for k in getattr(model, prefix).get_submodule(layers)._modules]
+    blocks = [f"{prefix}.{layers}.{k}" for k, _ in getattr(model, prefix).get_submodule(layers).named_children()]
     return [f"{prefix}.{embed}", *blocks, f"{prefix}.{norm}", head]
 
 
@@ -83,8 +84,8 @@ class HFDecoderStage(nn.Module):
         stage = copy.deepcopy(model)
         base = getattr(stage, prefix)
         block_list = base.get_submodule(layers)
-        for key in [k for k in block_list._modules if f"{prefix}.{layers}.{k}" not in keep]:
-            del block_list._modules[key]  # del list[i] would renumber the layers that follow (and their names)
+        for key in [k for k, _ in block_list.named_children() if f"{prefix}.{layers}.{k}" not in keep]:
+            delattr(block_list, key)  # del list[i] would renumber the layers that follow (and their names)
         for name in (embed, norm):
             if f"{prefix}.{name}" not in keep:
                 setattr(base, name, None)
@@ -95,19 +96,19 @@ class HFDecoderStage(nn.Module):
     def pieces(self) -> list[tuple[str, nn.Module]]:
         """(full name, module) of each piece this stage holds, rotary embeddings included."""
         prefix, embed, layers, norm, head = self.parts
-        base = self._modules[prefix]
+        base = getattr(self, prefix)
         out = [(f"{prefix}.{n}", m) for n, m in base.named_children() if m is not None and n != layers]
         out += [(f"{prefix}.{layers}.{k}", m) for k, m in base.get_submodule(layers).named_children()]
-        if self._modules[head] is not None:
-            out.append((head, self._modules[head]))
+        if getattr(self, head) is not None:
+            out.append((head, getattr(self, head)))
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         prefix, embed, layers, norm, head = self.parts
-        base = self._modules[prefix]
-        hidden = base._modules[embed](x) if base._modules[embed] is not None else x
+        base = getattr(self, prefix)
+        hidden = getattr(base, embed)(x) if getattr(base, embed) is not None else x
         rows, length = hidden.shape[:2]
         positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(rows, -1)
         mask = create_causal_mask(
@@ -117,9 +118,9 @@ class HFDecoderStage(nn.Module):
         kw: dict[str, Any] = {"attention_mask": mask, "position_ids": positions, "position_embeddings": rope}
         for layer in base.get_submodule(layers):
             hidden = layer(hidden, **kw)
-        if base._modules[norm] is not None:
-            hidden = base._modules[norm](hidden)
-        return hidden if self._modules[head] is None else self._modules[head](hidden)
+        if getattr(base, norm) is not None:
+            hidden = getattr(base, norm)(hidden)
+        return hidden if getattr(self, head) is None else getattr(self, head)(hidden)
 
 
 def hf_stage(model: nn.Module, keep: set[str]) -> HFDecoderStage:

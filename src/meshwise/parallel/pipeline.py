@@ -167,11 +167,11 @@ def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
     stage = copy.deepcopy(model)
     for name, child in list(stage.named_children()):
         if isinstance(child, _CONTAINERS) and len(child):
-            for key in [k for k in child._modules if f"{name}.{k}" not in keep]:
-                del child._modules[key]  # del child[i] would renumber the items that follow
+            for key in [k for k, _ in child.named_children() if f"{name}.{k}" not in keep]:
+                delattr(child, key)  # del child[i] would renumber the items that follow
         elif name not in keep:
             if isinstance(stage, nn.Sequential):
-                del stage._modules[name]
+                delattr(stage, name)
             else:
                 setattr(stage, name, None)
     return stage
@@ -180,7 +180,10 @@ def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
 def _check_root(model: nn.Module) -> None:
     """Pieces held by the root itself cannot go to one stage: refuse them."""
     own = [n for n, _ in model.named_parameters(recurse=False)]
-    own += [n for n, _ in model.named_buffers(recurse=False) if n not in model._non_persistent_buffers_set]
+    buffers = [n for n, _ in model.named_buffers(recurse=False)]
+    if buffers:  # a non-persistent buffer (rotary tables) is not state: no stage needs to own it
+        saved = model.state_dict(keep_vars=True)
+        own += [n for n in buffers if n in saved]
     if own:
         raise ParallelError(
             f"{type(model).__name__} holds {own} itself; pipeline stages are cut from its children, so no stage "
@@ -200,10 +203,10 @@ def _attach(root: nn.Module, path: str, module: nn.Module) -> None:
     *parents, leaf = path.split(".")
     node = root
     for name in parents:
-        if node._modules.get(name) is None:
+        if getattr(node, name, None) is None:
             node.add_module(name, nn.Module())
-        node = node._modules[name]
-    if leaf not in node._modules:  # rotary embeddings: every stage has a copy, without parameters
+        node = getattr(node, name)
+    if not hasattr(node, leaf):  # rotary embeddings: every stage has a copy, without parameters
         node.add_module(leaf, module)
 
 
@@ -236,10 +239,10 @@ class PipelineModel(nn.Module):
                 if not isinstance(child, _CONTAINERS):
                     self.add_module(name, child)
                     continue
-                if name not in self._modules:
+                if not hasattr(self, name):
                     self.add_module(name, nn.Module())
                 for key, item in child.named_children():
-                    self._modules[name].add_module(key, item)
+                    getattr(self, name).add_module(key, item)
         self.stage_modules = list(stage_modules)  # a plain list: not children, so names stay the full model's
         self.stage_indices, self.num_stages = list(stage_indices), num_stages
         self.topology, self.schedule_name = topology, schedule
