@@ -10,6 +10,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -272,3 +273,58 @@ def test_a_dry_run_ignores_an_existing_run_folder_and_describes_both_loaders(tmp
     for name in ("0.weight (64 along dim 0)", "0.bias (64 along dim 0)", "2.weight (1 along dim 0)", "2.bias (1 "):
         assert name in advice[0]
     assert "shard_placement_fn" in advice[0] and "dp='replicate'" in advice[0]
+
+
+def _gpt_example() -> Any:
+    """examples/gpt/train.py as a module (its sibling modules imported the way the script imports them)."""
+    sys.path.insert(0, str(GPT.parent))
+    before = set(sys.modules)
+    try:
+        import train
+    finally:
+        sys.path.remove(str(GPT.parent))
+        for name in ("train", "model", "prepare"):  # other examples have modules of the same names
+            if name not in before:
+                sys.modules.pop(name, None)
+    return train
+
+
+def test_a_dry_run_of_the_gpt_example_leaves_its_run_folder_and_log_alone(tmp_path: Path) -> None:
+    import meshwise
+    from meshwise import dryrun
+    from meshwise.engine import RunLogger
+    from meshwise.errors import MeshwiseError
+
+    train = _gpt_example()
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-7").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("7\n")
+    (run / "config.json").write_text('{"model": {}, "args": {}}')
+    (run / "metrics.jsonl").write_text('{"tag": "train", "step": 7, "loss": 1.5}\n')
+    before, paths = _tree(run), sorted(tmp_path.rglob("*"))
+    topo = meshwise.init({"dp": 1})  # rank 0: the rank that would clear the folder and write the log
+    try:
+        recorder = dryrun.begin(2)
+        try:
+            for argv in (
+                ["--run-dir", str(run)],  # a real run refuses: the folder holds a run
+                ["--run-dir", str(run), "--overwrite"],  # a real run deletes it
+                ["--resume", str(tmp_path / "none")],  # a real run reads its config.json (and refuses: none there)
+            ):
+                assert train.open_run_folder(train.parse_args(argv), topo) == Path(argv[1])
+            for folder in (run, tmp_path / "new"):
+                logger = RunLogger(folder, topo)
+                assert not logger.enabled
+                logger.log("train", {"loss": 0.25}, step=8, epoch=1)
+                logger.close()
+        finally:
+            assert dryrun.end() is recorder
+        assert _tree(run) == before and sorted(tmp_path.rglob("*")) == paths
+        # the same calls outside a dry run: the refusal and the log the dry run left out
+        with pytest.raises(MeshwiseError, match="already holds a run: pass --resume"):
+            train.open_run_folder(train.parse_args(["--run-dir", str(run)]), topo)
+        with RunLogger(tmp_path / "new", topo, tensorboard=False) as logger:
+            logger.log("train", {"loss": 0.25}, step=8, epoch=1)
+        assert json.loads((tmp_path / "new" / "metrics.jsonl").read_text())["loss"] == 0.25
+    finally:
+        meshwise.shutdown()

@@ -41,6 +41,7 @@ from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan
 from prepare import prepare
 
 import meshwise
+from meshwise import dryrun
 from meshwise.data import ArrayDataset, Shard, mesh_dataloader
 from meshwise.engine import PeriodicEvaluation, ProgressBar, RunLogger, TimeBudget
 from meshwise.errors import DataError, MeshwiseError
@@ -116,8 +117,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def open_run_folder(args: argparse.Namespace, topo: meshwise.Topology) -> Path:
-    """The run folder of this phase; a new training phase refuses a folder that holds a run (unless --overwrite)."""
+    """The run folder of this phase; a new training phase refuses a folder that holds a run (unless --overwrite).
+
+    A dry run (``meshwise run --dry-run``) never reads, refuses, clears or writes the run folder: it writes nothing
+    there, so whatever the folder holds is no reason to stop, and ``--overwrite`` must not delete a real run."""
     run_dir = Path(args.run_dir or args.resume or "runs/gpt")
+    if dryrun.active() is not None:
+        return run_dir
     if not args.resume and not args.overwrite and (run_dir / "config.json").exists():
         raise MeshwiseError(
             f"run folder {run_dir} already holds a run: pass --resume {run_dir} to continue it, "
@@ -333,8 +339,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     run_dir = open_run_folder(args, topo)
 
-    # ---- data and model size: from the options, or on --resume from the run folder's config
-    if args.resume:
+    # ---- data and model size: from the options, or on --resume from the run folder's config (a dry run reads no run
+    # folder: it plans the model the options describe)
+    dry = dryrun.active() is not None
+    if args.resume and not dry:
         saved = json.loads((Path(args.resume) / "config.json").read_text())
         cfg = GPTConfig(**saved["model"])
         for k in ("data_dir", "text", "tokens", "source_dir", "val_fraction", "eval_samples", "batch_size"):
@@ -343,10 +351,10 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = GPTConfig(**{k: getattr(args, k) for k in MODEL_KEYS})
     data_dir, meta = prepare_data(args, topo)
     tp = topo.size(topo.replica_dims) if topo.replica_dims else 1
-    if not args.resume:
+    if not args.resume or dry:
         cfg.vocab_size = meta["vocab_size"] + (-meta["vocab_size"]) % tp  # padded ids never occur in the data
     check_tp_degree(cfg, tp)
-    if topo.is_leader() and not args.resume:
+    if topo.is_leader() and not args.resume and not dry:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"model": cfg.to_dict(), "args": vars(args)}, indent=1))
 
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
         "bytes_read": bytes_read,
         "train_seconds": phase["train_s"],
     }
-    if topo.is_leader():
+    if topo.is_leader() and not dry:
         write_summary(run_dir, row, checkpoint)
     meshwise.shutdown()
     return row

@@ -16,6 +16,7 @@ from typing import Any
 
 from ignite.engine import Engine, Events
 
+from meshwise import dryrun
 from meshwise.engine.handlers import scalar
 from meshwise.errors import MeshwiseError
 from meshwise.plot import METRICS_FILE
@@ -30,7 +31,8 @@ class RunLogger:
     """Writes a run's numbers once: ``RUN_DIR/metrics.jsonl`` (one JSON object a line) and TensorBoard events.
 
     Only global rank 0 writes; on other ranks every method is a no-op, so the files exist once per
-    run. Each line is ``{"tag": "train", "step": 12, "epoch": 1, "time": ..., "loss": 0.53, ...}``.
+    run; a dry run (``meshwise run --dry-run``) writes nothing on any rank, not even the folder. Each line
+    is ``{"tag": "train", "step": 12, "epoch": 1, "time": ..., "loss": 0.53, ...}``.
     Attach it to a trainer (logs ``engine.state.output`` as ``loss``, ``engine.state.metrics``, and
     ``engine.state.grad_norm`` when clipping) and to evaluators (logs their ``state.metrics`` under their
     tag at the trainer's step). The file is appended to, so a resumed run continues its log.
@@ -49,7 +51,7 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.topology = resolve(topology)
         self.every = every
-        self.enabled = self.topology.rank == 0
+        self.enabled = self.topology.rank == 0 and dryrun.active() is None
         self._file = None
         self._writer = None
         self._trainer: Engine | None = None
