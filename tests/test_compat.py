@@ -269,6 +269,14 @@ def test_transformers_plans_and_attention() -> None:
     cls = transformers.LlamaForCausalLM
     _check("PreTrainedModel._tp_plan (class)", "transformers", lambda: "lm_head" in compat.hf_class_tp_plan(cls))
     _check("PreTrainedModel._pp_plan (class)", "transformers", lambda: "lm_head" in compat.hf_class_pp_plan(cls))
+    init = compat.hf_init_weights(
+        cls(
+            transformers.LlamaConfig(
+                hidden_size=8, num_hidden_layers=1, vocab_size=8, intermediate_size=8, num_attention_heads=2
+            )
+        )
+    )
+    _check("PreTrainedModel._init_weights", "transformers", lambda: callable(init))
     config = transformers.LlamaConfig()
     compat.set_attn_implementation(config, "sdpa")
     _check("PretrainedConfig._attn_implementation", "transformers", lambda: config._attn_implementation == "sdpa")

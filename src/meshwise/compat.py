@@ -34,6 +34,7 @@ __all__ = [
     "handler_parent",
     "hf_class_pp_plan",
     "hf_class_tp_plan",
+    "hf_init_weights",
     "ignite_native_model_type",
     "ignite_serial_model",
     "iterable_source_kwargs",
@@ -278,6 +279,12 @@ def hf_class_tp_plan(model_class: type) -> dict[str, str]:
 def hf_class_pp_plan(model_class: type) -> dict[str, Any]:
     """``PreTrainedModel._pp_plan`` of the class (the head). Public: the instance's ``model.pp_plan``."""
     return dict(getattr(model_class, "_pp_plan", None) or {})
+
+
+def hf_init_weights(model: Any) -> Callable[[nn.Module], None] | None:
+    """``PreTrainedModel._init_weights``: the model's initialiser of one module (``from_pretrained`` calls it for
+    what no file holds, e.g. rotary ``inv_freq``). Public: ``model.init_weights()``, which redoes every module."""
+    return getattr(model, "_init_weights", None)
 
 
 def set_attn_implementation(config: Any, name: str) -> None:

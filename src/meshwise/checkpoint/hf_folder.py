@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from meshwise import compat
 from meshwise.checkpoint.export import read_model
 from meshwise.errors import CheckpointError
 
@@ -225,12 +226,13 @@ def _restore_buffers(model: torch.nn.Module) -> None:
     leaves uninitialised, with the model's own ``_init_weights``, as ``from_pretrained`` does."""
     from meshwise.parallel.hf import is_hf_model
 
-    init = getattr(model, "_init_weights", None)
+    init = compat.hf_init_weights(model)
     if not is_hf_model(model) or init is None:
         return
     with torch.no_grad():
         for module in model.modules():
-            if getattr(module, "_non_persistent_buffers_set", None):
+            own = {name for name, _ in module.named_buffers(recurse=False)}
+            if own and own - set(module.state_dict(keep_vars=True)):  # a buffer no state dict (or file) holds
                 init(module)  # may also touch the module's own parameters: the load below overwrites them
 
 
