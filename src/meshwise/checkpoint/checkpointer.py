@@ -6,12 +6,11 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,9 @@ from meshwise import dryrun
 from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
 from meshwise.checkpoint.state import (
     apply_dcp_state,
+    check_options,
     classify,
     dcp_state,
-    digest,
     holds_tensors,
     load_object,
     mesh_text,
@@ -35,8 +34,9 @@ from meshwise.checkpoint.state import (
     record,
     rederive_rng,
     reshard_message,
-    rng_state,
+    score_value,
     set_rng_state,
+    small_files,
     warn_differences,
 )
 from meshwise.checkpoint.validation import check_keys, read_record
@@ -44,9 +44,12 @@ from meshwise.checkpoint.writer import (
     CommitWriter,
     RecordingPlanner,
     SavedPlans,
+    StagingGate,
     failure_text,
+    finish_stage,
     replay_save,
     stage,
+    step_storages,
 )
 from meshwise.dryrun import note_checkpoint
 from meshwise.errors import CheckpointError, MeshwiseError
@@ -73,18 +76,6 @@ class CheckpointInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _check_options(keep_last: Any, keep_best: Any, score: Any, mode: Any) -> None:
-    for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise CheckpointError(f"{name} must be a positive int or None, got {value!r}")
-    if keep_best is not None and score is None:
-        raise CheckpointError("keep_best needs score=: a metric name (engine.state.metrics key) or a callable")
-    if score is not None and not (isinstance(score, str) or callable(score)):
-        raise CheckpointError(f"score must be a metric name or a callable returning a float, got {score!r}")
-    if mode not in ("max", "min"):
-        raise CheckpointError(f"mode must be 'max' (higher score is better) or 'min', got {mode!r}")
-
-
 class Checkpointer:
     """Save and load a whole training state on every rank of a topology; see docs/checkpoint.md.
 
@@ -94,7 +85,9 @@ class Checkpointer:
     ``mode="max"`` or ``"min"``); the newest and the best checkpoint are never deleted. With
     ``async_save=True`` files are written in a background thread (DCP async save on a dedicated gloo
     group); the checkpoint is renamed into place and ``latest`` moved by that thread once every rank
-    finished, and the next :meth:`save`, :meth:`load`, :meth:`wait` or :meth:`close` waits for it.
+    finished, and the next :meth:`save`, :meth:`load`, :meth:`wait` or :meth:`close` waits for it. The copy of the
+    saved optimizers' parameters and state is staged by that thread too, and their next ``step()`` waits for it
+    (:meth:`wait_staged`); ``async_save="stage-first"`` copies everything before :meth:`save` returns.
     ``rng_seed`` seeds the RNG streams re-derived when a checkpoint is loaded at another mesh. ``folder`` is
     the :class:`~meshwise.checkpoint.protocol.CheckpointFolder` of ``root``. Rank 0
     logs what each load restored to the ``meshwise.checkpoint`` logger, at INFO (DEBUG with ``verbose=False``).
@@ -109,12 +102,12 @@ class Checkpointer:
         keep_best: int | None = None,
         score: str | Callable[[], float] | None = None,
         mode: str = "max",
-        async_save: bool = False,
+        async_save: bool | str = False,
         rng_seed: int = 0,
         verbose: bool = True,
     ) -> None:
         topo = resolve(topology)
-        _check_options(keep_last, keep_best, score, mode)
+        check_options(keep_last, keep_best, score, mode, async_save)
         self.root = Path(root)
         self.topology = topo
         self._check_same_root()
@@ -122,6 +115,8 @@ class Checkpointer:
         self.folder = CheckpointFolder(self.root, keep_last=keep_last, keep_best=keep_best, mode=mode)
         self.score = score
         self.async_save = bool(async_save)
+        self._stage_first = async_save == "stage-first"
+        self._gate = StagingGate()  # holds the saved optimizers' next step() while their tensors are staged
         self.rng_seed = int(rng_seed)
         self.verbose = verbose
         self._pending: Future | None = None
@@ -243,13 +238,15 @@ class Checkpointer:
         error, score, small = None, None, {}
         try:  # reported at the commit, so that no rank is left waiting in a collective
             small = {n: objects[n].state_dict() for n, k in kinds.items() if k == "state"}
-            score = self._score_value(objects) if self.topology.rank == 0 else None
+            score = score_value(self.score, objects) if self.topology.rank == 0 else None
         except Exception as exc:  # noqa: BLE001
             error = f"{type(exc).__name__}: {exc}"
         meta = record(
             self.topology, step, started, kinds, owners, fresh, score, use_dcp, self._score_name, self.rng_seed
         )
-        self._write(step, dcp_state(objects, kinds, owners, skip=fresh), small, meta, rng=True, error=error)
+        state = dcp_state(objects, kinds, owners, skip=fresh)
+        optimizers = [objects[n] for n, k in kinds.items() if k == "optimizer"]
+        self._write(step, state, small, meta, rng=True, error=error, optimizers=optimizers)
         self._last_saved = step
         return self.step_path(step)
 
@@ -272,7 +269,15 @@ class Checkpointer:
         return self.folder.entry_path(name)
 
     def _write(
-        self, entry: int | str, state: dict[str, Any], small: dict[str, Any], meta: dict, *, rng: bool, error: Any
+        self,
+        entry: int | str,
+        state: dict[str, Any],
+        small: dict[str, Any],
+        meta: dict,
+        *,
+        rng: bool,
+        error: Any,
+        optimizers: Collection[torch.optim.Optimizer] = (),
     ) -> None:
         """Write ``state`` through DCP, ``small`` (rank 0) and the RNG states into ``entry``'s folder, atomically.
 
@@ -288,7 +293,7 @@ class Checkpointer:
             self._on_rank0(prepare)
             prepare = None
         self._root_checked = True
-        report, files = self._stage_small(tmp, small, rng, error)
+        report, files = small_files(tmp, small, rng, error, self.topology, self.async_save)
         writer = CommitWriter(
             tmp,
             sync_files=background,  # a sync save leaves the fsync to rank 0's finalizer thread
@@ -299,7 +304,7 @@ class Checkpointer:
             check=self._check_last,
         )
         if background:
-            self._start_async(entry, tmp, state, writer)
+            self._start_async(entry, tmp, state, writer, optimizers)
         else:
             self._save_now(entry, tmp, state, writer)
 
@@ -334,50 +339,9 @@ class Checkpointer:
         warn_differences(reports)
         self.folder.publish(entry, tmp, json.dumps(meta, indent=1) + "\n", defer=defer)
 
-    def _stage_small(
-        self, tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None
-    ) -> tuple[dict[str, Any], dict[Path, Any]]:
-        """This rank's RNG states and (rank 0) the other objects' states, as files to write (by the writer).
-
-        Returns this rank's report for the commit (its error, the digests of its objects' states, compared
-        there across ranks) and the files.
-        """
-        rank = self.topology.rank
-        digests: dict[str, str | None] = {}
-        files: dict[Path, Any] = {}
-        try:
-            if rng:
-                files[tmp / RNG_DIR / f"rank-{rank:05d}.pt"] = rng_state(self.topology.device)
-            for name, sd in small.items():
-                digests[name] = digest(sd)
-                if rank == 0:
-                    files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if self.async_save else sd
-        except Exception as exc:  # noqa: BLE001 - reported at the commit, so that no rank waits alone
-            error = error or f"{type(exc).__name__}: {exc}"
-        return {"error": error, "digests": digests}, files
-
     @property
     def _score_name(self) -> str | None:
         return self.score if isinstance(self.score, str) else None
-
-    def _score_value(self, objects: Mapping[str, Any]) -> float | None:
-        if self.score is None:
-            return None
-        if callable(self.score):
-            value = self.score()
-        else:
-            value = None
-            for obj in objects.values():
-                metrics = getattr(getattr(obj, "state", None), "metrics", None)
-                if isinstance(metrics, Mapping) and self.score in metrics:
-                    value = metrics[self.score]
-                    break
-            if value is None:
-                return None  # no score yet (e.g. before the first evaluation): not a candidate for best
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"score {self.score!r} gave {value!r}, not a number") from None
 
     def _save_now(self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter) -> None:
         import torch.distributed.checkpoint as dcp
@@ -389,17 +353,35 @@ class Checkpointer:
                 f"saving checkpoint {step} into {tmp} failed: {failure_text(exc)}. 'latest' is untouched"
             ) from exc
 
-    def _start_async(self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter) -> None:
+    def _start_async(
+        self, step: int | str, tmp: Path, state: dict[str, Any], writer: CommitWriter, optimizers: list
+    ) -> None:
+        # A copy: training may change the tensors once save() returns. What only the optimizers' step() changes
+        # (their parameters and state) is copied by the worker, their next step() waiting for it (the gate).
+        defer = step_storages(optimizers) if optimizers and not self._stage_first else ()
         try:
-            staged = stage(state, self._buffers)  # a copy: training may change the tensors once save() returns
+            staged, copies = stage(state, self._buffers, defer=defer)
         except Exception as exc:
             raise CheckpointError(f"async save of {tmp} failed staging: {exc}. 'latest' is untouched") from exc
         if self._worker is None:  # one thread for every save: none is started per save
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshwise-ckpt")
-        self._pending = self._worker.submit(self._write_async, step, tmp, staged, writer)
+        if copies:
+            self._gate.hold(optimizers)
+        try:
+            self._pending = self._worker.submit(self._write_async, step, tmp, staged, writer, copies)
+        except BaseException:
+            self._gate.release()
+            raise
 
-    def _write_async(self, step: int | str, tmp: Path, staged: dict[str, Any], writer: CommitWriter) -> None:
-
+    def _write_async(
+        self, step: int | str, tmp: Path, staged: dict[str, Any], writer: CommitWriter, copies: list
+    ) -> None:
+        try:
+            finish_stage(copies)
+        except Exception as exc:  # noqa: BLE001 - every rank still runs DCP's collectives, and the commit fails
+            writer.fail(f"staging failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._gate.release()
         try:  # DCP writes, syncs and (rank 0, in its finish step) publishes the folder
             self._dcp_save(staged, writer, self._group)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread at the next wait()
@@ -415,6 +397,14 @@ class Checkpointer:
         if pending is not None:
             pending.result()  # _write_async keeps its error for wait()
         self.folder.join()
+
+    def wait_staged(self) -> None:
+        """Wait until a pending async save has copied the tensors it saves (its write may still run).
+
+        The saved optimizers' ``step()`` waits for this by itself; call it before changing their parameters or
+        state in any other way (an EMA update in place, ``load_state_dict``, a manual edit) right after a save.
+        """
+        self._gate.wait()
 
     def wait(self) -> None:
         """Wait for a pending async save to be written and committed; raises its error, if any.
@@ -436,6 +426,7 @@ class Checkpointer:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        self._gate.close()  # no step() of the saved optimizers is hooked any longer
         self._buffers.clear()
 
     def __enter__(self) -> Checkpointer:

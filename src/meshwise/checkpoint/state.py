@@ -7,13 +7,14 @@ each rank's RNG streams are saved, restored at the same mesh, or re-derived at a
 
 from __future__ import annotations
 
+import copy
 import datetime
 import hashlib
 import os
 import pickle
 import random
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,13 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, fsync_dir
+from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, OBJECTS_DIR, RNG_DIR, fsync_dir
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.parallel.apply import reshard
 
 __all__ = [
     "apply_dcp_state",
+    "check_options",
     "classify",
     "dcp_state",
     "derived_seed",
@@ -42,10 +44,51 @@ __all__ = [
     "rederive_rng",
     "reshard_message",
     "rng_state",
+    "score_value",
     "set_rng_state",
+    "small_files",
     "warn_differences",
     "write_files",
 ]
+
+
+# --------------------------------------------------------------------------- options and score
+
+
+def check_options(keep_last: Any, keep_best: Any, score: Any, mode: Any, async_save: Any) -> None:
+    """Check the options of a ``Checkpointer``: a :class:`CheckpointError` names a bad one."""
+    for name, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{name} must be a positive int or None, got {value!r}")
+    if keep_best is not None and score is None:
+        raise CheckpointError("keep_best needs score=: a metric name (engine.state.metrics key) or a callable")
+    if score is not None and not (isinstance(score, str) or callable(score)):
+        raise CheckpointError(f"score must be a metric name or a callable returning a float, got {score!r}")
+    if mode not in ("max", "min"):
+        raise CheckpointError(f"mode must be 'max' (higher score is better) or 'min', got {mode!r}")
+    if async_save not in (True, False, "stage-first"):
+        raise CheckpointError(f"async_save must be True, False or 'stage-first', got {async_save!r}")
+
+
+def score_value(score: str | Callable[[], float] | None, objects: Mapping[str, Any]) -> float | None:
+    """The score of a save for ``keep_best``: ``score()``, or the metric ``score`` of an Engine in ``objects``."""
+    if score is None:
+        return None
+    if callable(score):
+        value = score()
+    else:
+        value = None
+        for obj in objects.values():
+            metrics = getattr(getattr(obj, "state", None), "metrics", None)
+            if isinstance(metrics, Mapping) and score in metrics:
+                value = metrics[score]
+                break
+        if value is None:
+            return None  # no score yet (e.g. before the first evaluation): not a candidate for best
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise CheckpointError(f"score {score!r} gave {value!r}, not a number") from None
 
 
 # --------------------------------------------------------------------------- kinds of objects
@@ -187,6 +230,30 @@ def digest(state: Any) -> str | None:
         return hashlib.sha1(pickle.dumps(state, protocol=4)).hexdigest()
     except Exception:  # noqa: BLE001 - an unpicklable state is simply not checked
         return None
+
+
+def small_files(
+    tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None, topology: Any, copied: bool
+) -> tuple[dict[str, Any], dict[Path, Any]]:
+    """This rank's RNG states and (rank 0) the other objects' states, as files to write (by the writer) into
+    ``tmp``; ``copied``: deep copies (an async save writes them later).
+
+    Returns this rank's report for the commit (its error, the digests of its objects' states, compared
+    there across ranks) and the files.
+    """
+    rank = topology.rank
+    digests: dict[str, str | None] = {}
+    files: dict[Path, Any] = {}
+    try:
+        if rng:
+            files[tmp / RNG_DIR / f"rank-{rank:05d}.pt"] = rng_state(topology.device)
+        for name, sd in small.items():
+            digests[name] = digest(sd)
+            if rank == 0:
+                files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if copied else sd
+    except Exception as exc:  # noqa: BLE001 - reported at the commit, so that no rank waits alone
+        error = error or f"{type(exc).__name__}: {exc}"
+    return {"error": error, "digests": digests}, files
 
 
 def write_files(files: Mapping[Path, Any], fsync: bool = False) -> str | None:

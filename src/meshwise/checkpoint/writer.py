@@ -1,5 +1,6 @@
 """DCP plumbing of meshwise's saves: the file writer carrying the commit (a save costs DCP's own collectives and
-no others), a plan cache per checkpointer, and the staging copy of an async save.
+no others), a plan cache per checkpointer, and the staging copy of an async save (with the gate that holds the
+optimizer steps back while it runs).
 
 Rank 0 prepares ``step-N.tmp/`` between DCP's gather of the plans and their scatter (so no rank writes before it
 exists, and nothing is written into a refused root); each rank writes its small files beside its shards and sends
@@ -18,7 +19,8 @@ import dataclasses
 import io
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,6 +261,10 @@ class CommitWriter(FileSystemWriter):
         super().finish(metadata, [[w for w in ws if w.index.fqn != REPORT] for ws in results])
         self._publish(reports)
 
+    def fail(self, error: str) -> None:
+        """Report ``error`` at the commit (so that every rank raises it and nothing is published)."""
+        self._report["error"] = self._report["error"] or error
+
 
 def failure_text(exc: BaseException) -> str:
     """The text of a failed DCP save: each failing rank's own error (DCP wraps them with their tracebacks)."""
@@ -446,12 +452,23 @@ def replay_save(
     return code == 0
 
 
-def _into(tensor: torch.Tensor, buffers: dict[tuple, Any], key: tuple) -> torch.Tensor:
+# what stage() defers (storage keys) and the (buffer, tensor) pairs it deferred; None: copy everything now
+_Later = tuple[Collection[tuple[str, int]], list[tuple[torch.Tensor, torch.Tensor]]] | None
+
+
+def _into(tensor: torch.Tensor, buffers: dict[tuple, Any], key: tuple, later: _Later) -> torch.Tensor:
     buf = buffers.get(key)
     if not isinstance(buf, torch.Tensor) or buf.shape != tensor.shape or buf.dtype != tensor.dtype:
         buf = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    buf.copy_(tensor)
+    _copy(buf, tensor, later)
     return buf
+
+
+def _copy(buf: torch.Tensor, tensor: torch.Tensor, later: _Later) -> None:
+    if later is not None and storage_key(tensor) in later[0]:
+        later[1].append((buf, tensor))  # only optimizer.step() changes it: copied in the background
+    else:
+        buf.copy_(tensor)
 
 
 def _same_layout(a: DTensor, b: Any) -> bool:
@@ -465,15 +482,36 @@ def _same_layout(a: DTensor, b: Any) -> bool:
     )
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    """What identifies the memory of a tensor (a DTensor's local shard): its device and storage address."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return str(local.device), local.untyped_storage().data_ptr()
+
+
 @torch.no_grad()
-def stage(state: Any, buffers: dict[tuple, Any], key: tuple = ()) -> Any:
+def stage(
+    state: Any, buffers: dict[tuple, Any], key: tuple = (), *, defer: Collection[tuple[str, int]] = ()
+) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A copy of a DCP state dict for a background save: each tensor copied into ``buffers``, kept from one save to
     the next (a DTensor's staged copy too, while its mesh and placements stay), so that staging is a copy and not an
-    allocation; other values are deep-copied."""
-    return _stage(state, buffers, key)  # no_grad entered once, not once per value
+    allocation; other values are deep-copied.
+
+    A tensor whose memory is in ``defer`` (:func:`storage_key`) gets its buffer but is not copied: it is in the
+    returned list of ``(buffer, tensor)`` pairs, for :func:`finish_stage` to copy later (in the background).
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    later = (defer, copies) if defer else None
+    return _stage(state, buffers, key, later), copies  # no_grad entered once, not once per value
 
 
-def _stage(state: Any, buffers: dict[tuple, Any], key: tuple) -> Any:
+@torch.no_grad()
+def finish_stage(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy the tensors :func:`stage` deferred into their buffers."""
+    for buf, tensor in copies:
+        buf.copy_(tensor)
+
+
+def _stage(state: Any, buffers: dict[tuple, Any], key: tuple, later: _Later) -> Any:
     if isinstance(state, DTensor):
         staged = buffers.get(key)
         if not _same_layout(state, staged):
@@ -481,12 +519,57 @@ def _stage(state: Any, buffers: dict[tuple, Any], key: tuple) -> Any:
             staged = buffers[key] = DTensor.from_local(
                 local, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
             )
-        staged.to_local().copy_(state.to_local())
+        _copy(staged.to_local(), state.to_local(), later)
         return staged
     if isinstance(state, torch.Tensor):
-        return _into(state, buffers, key)
+        return _into(state, buffers, key, later)
     if isinstance(state, Mapping):
-        return {k: _stage(v, buffers, (*key, k)) for k, v in state.items()}
+        return {k: _stage(v, buffers, (*key, k), later) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_stage(v, buffers, (*key, i)) for i, v in enumerate(state))
+        return type(state)(_stage(v, buffers, (*key, i), later) for i, v in enumerate(state))
     return copy.deepcopy(state)
+
+
+def step_storages(optimizers: Collection[torch.optim.Optimizer]) -> set[tuple[str, int]]:
+    """The memory (:func:`storage_key`) of the parameters and state tensors of ``optimizers``: what only their
+    ``step()`` changes in a training loop."""
+    keys: set[tuple[str, int]] = set()
+    for opt in optimizers:
+        tensors = [p for g in opt.param_groups for p in g["params"]]
+        tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        keys.update(storage_key(t) for t in tensors)
+    return keys
+
+
+class StagingGate:
+    """Holds each optimizer's ``step()`` (a step pre-hook) while a background staging copy of its tensors runs."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._done.set()
+        self._hooks: dict[int, tuple[weakref.ref, Any]] = {}  # id(optimizer) -> (its weakref, the hook's handle)
+
+    def hold(self, optimizers: Collection[torch.optim.Optimizer]) -> None:
+        """Make the next ``step()`` of each of ``optimizers`` wait until :meth:`release` (hooked once each)."""
+        self._done.clear()
+        for opt in optimizers:
+            known = self._hooks.get(id(opt))
+            if known is None or known[0]() is not opt:
+                self._hooks[id(opt)] = (weakref.ref(opt), opt.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._done.wait()
+
+    def release(self) -> None:
+        self._done.set()
+
+    def wait(self) -> None:
+        """Return once no staging copy is running."""
+        self._done.wait()
+
+    def close(self) -> None:
+        """Release and remove every hook."""
+        self._done.set()
+        for _, handle in self._hooks.values():
+            handle.remove()
+        self._hooks.clear()
