@@ -277,15 +277,16 @@ def test_a_dry_run_ignores_an_existing_run_folder_and_describes_both_loaders(tmp
 
 def _gpt_example() -> Any:
     """examples/gpt/train.py as a module (its sibling modules imported the way the script imports them)."""
+    names = ("train", "model", "prepare")  # other examples (imported by earlier tests) have modules of these names
+    others = {name: sys.modules.pop(name) for name in names if name in sys.modules}
     sys.path.insert(0, str(GPT.parent))
-    before = set(sys.modules)
     try:
         import train
     finally:
         sys.path.remove(str(GPT.parent))
-        for name in ("train", "model", "prepare"):  # other examples have modules of the same names
-            if name not in before:
-                sys.modules.pop(name, None)
+        for name in names:
+            sys.modules.pop(name, None)
+        sys.modules.update(others)
     return train
 
 
