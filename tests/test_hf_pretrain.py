@@ -1,6 +1,7 @@
-"""examples/hf_pretrain/train.py under `meshwise run` at dp=2 x tp=2: a run stopped after step k and resumed in
-the same folder continues mid-epoch with exactly the losses of an unbroken one-process run, for packed rows
-of a `datasets.Dataset` and (slow: three more launches) for a `datasets` stream with padded labels."""
+"""examples/hf_pretrain/train.py under `meshwise run`: a run stopped after step k and resumed in the same folder
+continues mid-epoch with exactly the losses of an unbroken run: packed rows of a `datasets.Dataset` at dp=2 x tp=2
+against one process, and (slow: three more launches, at dp=2) a `datasets` stream with padded labels against an
+unbroken run on the same mesh (tests/test_streaming_sources.py compares streams with one process at dp=2 x cp=2)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 from meshwise.testing import run_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_pretrain" / "train.py"
-LAUNCH = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", "4", "--mesh", "dp=2,tp=2"]
+MESHES = {"packed": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}  # the stream's data-rank split needs only dp
 STEPS, STOP = 6, 3
 
 
-def _losses(run_dir: Path, *extra: str, one_process: bool = False) -> tuple[dict[int, float], str]:
+def _losses(run_dir: Path, source: str, *extra: str, one_process: bool = False) -> tuple[dict[int, float], str]:
     """One launch (or one plain process); the per-step losses rank 0 printed, by step, and the last line."""
     args = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--double", *extra]
-    command = [sys.executable, str(SCRIPT), "--mesh", "dp=1"] if one_process else [*LAUNCH, str(SCRIPT)]
+    nproc, mesh = MESHES[source]
+    launch = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", nproc, "--mesh", mesh]
+    command = [sys.executable, str(SCRIPT), "--mesh", "dp=1"] if one_process else [*launch, str(SCRIPT)]
     out = run_command([*command, *args], timeout=240, env={"HF_DATASETS_OFFLINE": "1"}).stdout
     losses = {int(w[1]): float(w[3]) for w in (x.split() for x in out.splitlines()) if w[:1] == ["step"]}
     return losses, [x for x in out.splitlines() if x.startswith("done ")][-1]
@@ -30,11 +33,11 @@ def test_stopped_and_resumed_run_matches_an_unbroken_one(tmp_path, source):
     extra = ["--streaming"] if source == "streaming" else []
     # packed rows: the unbroken reference is one process (an exact resume and a mesh equal to one process, both);
     # a stream is divided by data rank (its shard files), so one process reads other global batches: same mesh
-    unbroken, last = _losses(tmp_path / "unbroken", *extra, one_process=source == "packed")
+    unbroken, last = _losses(tmp_path / "unbroken", source, *extra, one_process=source == "packed")
     assert sorted(unbroken) == list(range(1, STEPS + 1)) and last.startswith(f"done steps 0-{STEPS} "), last
-    first, last = _losses(tmp_path / "resumed", "--stop-at", str(STOP), *extra)
+    first, last = _losses(tmp_path / "resumed", source, "--stop-at", str(STOP), *extra)
     assert sorted(first) == list(range(1, STOP + 1)) and last.startswith(f"done steps 0-{STOP} "), last
-    resumed, last = _losses(tmp_path / "resumed", *extra)  # same folder: continues from the step-3 checkpoint
+    resumed, last = _losses(tmp_path / "resumed", source, *extra)  # same folder: continues from the step-3 checkpoint
     assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)) and last.startswith(f"done steps {STOP}-{STEPS} ")
     worst = 0.0
     for step in range(1, STEPS + 1):
