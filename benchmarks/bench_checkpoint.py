@@ -8,10 +8,18 @@ under the same folder (``--dir``, default the system temp folder), into the page
 fsyncs (meshwise fsyncs in a thread of rank 0 after the call returns), and every timed operation starts after an
 ``os.sync()`` so no earlier writeback is pending. Each time is that of the slowest rank; one untimed warm-up
 repeat first (the async stager allocates its buffers then); the ratios are medians over repeats of the ratio
-within one repeat. A second baseline is the same ``torch.save`` without the zip CRC32 (``torch.load`` never checks
-it; meshwise's shard files skip it): ``nocrc_ratio`` is the sync save against that one. One more, untimed, sync save
-counts the collectives a save runs. Final line: ``RESULT save_ratio=... async_block_ratio=... load_s=...
-dcp_ratio=... nocrc_ratio=... sync_collectives=...``.
+within one repeat. After an async ``save()`` returns, the next training step (zero_grad, forward, backward,
+``opt.step()``, whose pre-hook waits for the background staging copy) runs at once, and is compared with a step
+without a pending save, timed just before in the same repeat. ``async_block`` = ``async_call`` +
+``hook_wait`` (the time the next ``opt.step()`` spent in the checkpointer's pre-hook, timed by a pre-hook of the
+bench's own registered after it); ``step_extra`` is all that ``opt.step()`` took beyond the baseline step's, and
+``async_loop`` = ``async_call`` + ``next_extra`` (what the whole training step took beyond the baseline: also the
+background write competing for the cores). The same for ``async_save="stage-first"`` (``first_*``: everything
+staged before ``save()`` returns). A second baseline is the same ``torch.save``
+without the zip CRC32 (``torch.load`` never checks it; meshwise's shard files skip it): ``nocrc_ratio`` is the
+sync save against that one. One more, untimed, sync save counts the collectives a save runs. Final line:
+``RESULT save_ratio=... async_block_ratio=... async_call_ratio=... async_loop_ratio=... stage_first_block_ratio=...
+stage_first_loop_ratio=... load_s=... dcp_ratio=... nocrc_ratio=... sync_collectives=...``.
 
     .venv/bin/python benchmarks/bench_checkpoint.py [--mib 128] [--repeats 5] [--warmup 1] [--dir /tmp]
 """
@@ -93,15 +101,24 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width)
 
-    def train_step() -> None:
+    hooked: list[float] = []  # when the step pre-hooks before the bench's own had run (the checkpointer's wait)
+
+    def train_step() -> tuple[float, float, float]:
+        """One step; the seconds of zero_grad + forward + backward, of ``opt.step()``, and of its pre-hooks."""
+        hooked.clear()
+        t = time.perf_counter()
         opt.zero_grad()
         model(x).square().mean().backward()
+        t1 = time.perf_counter()
         opt.step()
+        t2 = time.perf_counter()
+        return t1 - t, t2 - t1, (hooked[0] - t1) if hooked else 0.0
 
     train_step()
     base = Path(root)
     sync = meshwise.Checkpointer(base / "sync", topo, keep_last=1, verbose=False)
     asyn = meshwise.Checkpointer(base / "async", topo, keep_last=1, async_save=True, verbose=False)
+    first = meshwise.Checkpointer(base / "first", topo, keep_last=1, async_save="stage-first", verbose=False)
     plain_dir = base / "plain"
     plain_dir.mkdir(exist_ok=True)
 
@@ -114,7 +131,10 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         }
         return {"model": local, "optim": {"state": ostate, "param_groups": osd["param_groups"]}}
 
-    names = ("plain", "plain_nocrc", "dcp", "sync", "async_call", "async_total", "load")
+    names = ("plain", "plain_nocrc", "dcp", "sync", "async_call", "hook_wait", "async_block", "next_extra")
+    names += ("async_loop", "async_total", "first_call", "first_hook_wait", "first_block", "first_next_extra")
+    names += ("first_loop", "first_total", "step_extra", "step")
+    names += ("step", "load")
     times: dict[str, list[float]] = {k: [] for k in names}
     written: dict[str, int] = {}  # bytes on disk of the last repeat, all ranks together
     st = local_state()
@@ -132,7 +152,7 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
 
     def settle() -> None:
         """No deletion of an older checkpoint left running (meshwise prunes in background threads)."""
-        for ckpt in (sync, asyn):
+        for ckpt in (sync, asyn, first):
             ckpt.folder.join_deletions()
 
     def plain_save(rep: int) -> None:
@@ -183,16 +203,39 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
         sync.latest_step()  # let rank 0 finish that fsync (and prune) before the next measurement
         settle()
 
-    def async_save(rep: int) -> None:
+    def timed_async(rep: int, ckpt, at: int) -> None:
+        _quiet()
+        base = train_step()  # a step without a pending save, the same moment's baseline
         _quiet()
         t = time.perf_counter()
-        asyn.save(rep + 1, model=model, optimizer=opt)
-        record(rep, "async_call", _slowest(time.perf_counter() - t))  # how long training is blocked
-        asyn.wait()
-        record(rep, "async_total", _slowest(time.perf_counter() - t))
+        ckpt.save(rep + 1, model=model, optimizer=opt)
+        call = time.perf_counter() - t
+        if at == 4 and not bench_hook:  # after the checkpointer's own hook, which that save registered
+            bench_hook.append(opt.register_step_pre_hook(lambda *_: hooked.append(time.perf_counter())))
+        after = train_step()  # at once: its opt.step() waits for the staging copy (and the write runs beside it)
+        extra, wait = sum(after[:2]) - sum(base[:2]), after[2]
+        # blocked: the call plus the wait of the next opt.step()'s pre-hook for the staging copy; loop: the call
+        # plus what the whole next training step took beyond one without a pending save
+        ckpt.wait()
+        total = time.perf_counter() - t
+        values = (call, wait, call + wait, extra, call + extra, total)
+        for name, value in zip(names[at : at + 6], values):
+            record(rep, name, _slowest(value))
+        if at == 4:
+            record(rep, "step", _slowest(sum(base[:2])))
+            record(rep, "step_extra", _slowest(after[1] - base[1]))  # all of opt.step()'s extra, hook included
         settle()
 
-    saves = [plain_save, plain_nocrc_save, dcp_save, sync_save, async_save]
+    bench_hook: list = []
+
+    def async_save(rep: int) -> None:
+        timed_async(rep, asyn, 4)
+
+    def stage_first_save(rep: int) -> None:
+        """The blocking staging (async_save="stage-first"): everything copied before save() returns."""
+        timed_async(rep, first, 10)
+
+    saves = [plain_save, plain_nocrc_save, dcp_save, sync_save, async_save, stage_first_save]
     fresh = fresh_opt = None
     for rep in range(warmup + repeats):
         train_step()
@@ -212,7 +255,10 @@ def _bench(topo, root: str, width: int, layers: int, batch: int, repeats: int, w
     with CollectiveCounter(COLLECTIVES) as counter:  # untimed: how many collectives one sync save runs
         sync.save(warmup + repeats + 1, model=model, optimizer=opt)
     sync.latest_step()
+    for handle in bench_hook:
+        handle.remove()
     asyn.close()
+    first.close()
     sync.close()
     if topo.rank == 0:
         written["sync"] = _size(sync.step_path(warmup + repeats + 1))  # the counted save: a replayed one
@@ -272,14 +318,22 @@ def main() -> None:
     # ratios of the same repeat, then their median: the load of a shared machine drifts between repeats
     t = out["times"]
     save_ratio = statistics.median(s / p for s, p in zip(t["sync"], t["plain"]))
-    block_ratio = statistics.median(a / s for a, s in zip(t["async_call"], t["sync"]))
+
+    def ratio(name: str) -> float:
+        return statistics.median(a / s for a, s in zip(t[name], t["sync"]))
+
+    block_ratio, call_ratio, loop_ratio = ratio("async_block"), ratio("async_call"), ratio("async_loop")
+    first_ratio, first_loop_ratio = ratio("first_block"), ratio("first_loop")
     dcp_ratio = statistics.median(d / p for d, p in zip(t["dcp"], t["plain"]))
     nocrc_ratio = statistics.median(s / p for s, p in zip(t["sync"], t["plain_nocrc"]))
     print(f"DCP alone / torch.save: {dcp_ratio:.2f}; meshwise sync save / DCP alone: {med['sync'] / med['dcp']:.2f}")
     print(f"meshwise sync save / torch.save without CRC32: {nocrc_ratio:.2f}")
     print(f"collectives of one sync save: {', '.join(out['collectives'])}")
     print(
-        f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} load_s={med['load']:.3f} "
+        f"RESULT save_ratio={save_ratio:.2f} async_block_ratio={block_ratio:.2f} async_call_ratio={call_ratio:.2f} "
+        f"async_loop_ratio={loop_ratio:.2f} stage_first_block_ratio={first_ratio:.2f} "
+        f"stage_first_loop_ratio={first_loop_ratio:.2f} "
+        f"load_s={med['load']:.3f} "
         f"dcp_ratio={dcp_ratio:.2f} nocrc_ratio={nocrc_ratio:.2f} sync_collectives={len(out['collectives'])}"
     )
 

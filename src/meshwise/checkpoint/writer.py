@@ -530,6 +530,7 @@ def _stage(state: Any, buffers: dict[tuple, Any], key: tuple, later: _Later) -> 
     return copy.deepcopy(state)
 
 
+@torch.no_grad()  # DTensor.to_local() under grad mode runs an autograd Function: ~100x slower
 def step_storages(optimizers: Collection[torch.optim.Optimizer]) -> set[tuple[str, int]]:
     """The memory (:func:`storage_key`) of the parameters and state tensors of ``optimizers``: what only their
     ``step()`` changes in a training loop."""
