@@ -154,15 +154,21 @@ def _errors(topo, root: str) -> dict:
     return out
 
 
+def _newer_torch() -> str:
+    """The next minor release after the running torch (2.15.0 under 2.14.x): newer whatever torch runs the suite."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return f"{major}.{minor + 1}.0"
+
+
 def _as_if_from_newer_torch(step: Path) -> None:
-    """Rewrite a checkpoint as torch 2.15 writes it: the record names torch 2.15.0, and each tensor's properties in
-    the DCP metadata carry one more field (its strides), which the unpickler of an older torch cannot take."""
+    """Rewrite a checkpoint as a newer torch writes it (2.15 did so to 2.13/2.14): the record names that torch, and
+    each tensor's properties in the DCP metadata carry one more field, which the running unpickler cannot take."""
     import pickle
 
     from torch.distributed.checkpoint.metadata import TensorProperties
 
     record = json.loads((step / "meshwise.json").read_text())
-    (step / "meshwise.json").write_text(json.dumps({**record, "torch": "2.15.0"}))
+    (step / "meshwise.json").write_text(json.dumps({**record, "torch": _newer_torch()}))
     with open(step / ".metadata", "rb") as f:
         md = pickle.load(f)
     own = TensorProperties.__getstate__
@@ -380,7 +386,7 @@ def test_errors_name_the_file_and_change_nothing(runs):
     assert "__2_0.distcp" in e["missing_shard"] and "missing" in e["missing_shard"]
     assert "meshwise.json" in e["missing_meta"] and "missing" in e["missing_meta"]
     assert ".metadata" in e["missing_dcp_meta"]
-    assert "torch 2.15.0" in e["newer_torch"] and f"this torch {torch.__version__}" in e["newer_torch"]
+    assert f"torch {_newer_torch()}" in e["newer_torch"] and f"this torch {torch.__version__}" in e["newer_torch"]
     assert "damaged" not in e["newer_torch"] and e["newer_torch_intact"]
     assert "meshwise 9.0" in e["newer_format"] and "format 2" in e["newer_format"], e["newer_format"]
     assert "not a checkpoint folder" in e["not_folder_load"] and "notes.txt" in e["not_folder_load"]
