@@ -142,6 +142,28 @@ def test_foreach_norm_and_mul() -> None:
     )
 
 
+def test_dcp_shard_writer_names(tmp_path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter, filesystem
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    info = _check("filesystem._StorageInfo", "torch", lambda: compat.dcp_storage_info("__0_0.distcp", 8, 16))
+    _check(
+        "_StorageInfo fields",
+        "torch",
+        lambda: (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 8, 16),
+    )
+    _check("filesystem.DEFAULT_SUFFIX", "torch", lambda: filesystem.DEFAULT_SUFFIX == compat.DCP_SHARD_SUFFIX)
+    writer = FileSystemWriter(str(tmp_path))
+    _check("FileSystemWriter.transforms.extensions", "torch", lambda: list(compat.dcp_stream_extensions(writer)) == [])
+    planner = DefaultSavePlanner()
+    planner.set_up_planner({"w": torch.ones(2)}, is_coordinator=True)
+    writer.set_up_storage_writer(True)
+    plans = writer.prepare_global_plan(
+        planner.create_global_plan([writer.prepare_local_plan(planner.create_local_plan())])[0]
+    )
+    _check("SavePlan.storage_data.prefix", "torch", lambda: compat.dcp_shard_prefix(plans[0]) == "__0_")
+
+
 def test_dcp_flatten_state_dict() -> None:
     t = torch.zeros(2)
     flat = _check(
@@ -325,7 +347,7 @@ def test_physicsnemo_manager_and_shard_tensor() -> None:
 # --------------------------------------------------------------------------- the door stays the only one
 
 PRIVATE = re.compile(
-    r"_composable|testing\._internal|\._flatten\(|_Options\(|\._timeout\b|_get_default_store|torch\._foreach|"
+    r"_composable|_StorageInfo|\.storage_data\.prefix|transforms\.extensions|testing\._internal|\._flatten\(|_Options\(|\._timeout\b|_get_default_store|torch\._foreach|"
     r"_nested_dict|_NativeDistModel|_SerialModel|_set_model|_need_to_sync|_event_handlers|"
     r"\._(defaults|reductions|cache|is_synced|computed|to_sync|copy_state_dict)\b|\._indices\b|_ex_iterable|"
     r"\._modules\b|_non_persistent_buffers_set|_orig_mod|\b_tp_plan\b|\b_pp_plan\b|\b_attn_implementation\b|"

@@ -18,11 +18,15 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "DCP_SHARD_SUFFIX",
     "LEGACY_REPLICATE_KEY",
     "COMPILED_INNER",
     "checkpoint_module",
     "clear_metric_computed",
     "composable_registry",
+    "dcp_shard_prefix",
+    "dcp_storage_info",
+    "dcp_stream_extensions",
     "default_store",
     "event_handlers",
     "fake_store",
@@ -145,6 +149,30 @@ def foreach_mul_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     """``torch._foreach_mul_``: multiply every tensor in place by ``factor`` in one fused call. Public: one
     ``Tensor.mul_`` per tensor (``torch.nn.utils.clip_grads_with_norm_`` fixes its own factor)."""
     torch._foreach_mul_(list(tensors), factor)
+
+
+def dcp_storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """``torch.distributed.checkpoint.filesystem._StorageInfo``: where an item lies in a shard file, the
+    ``storage_data`` of each write result, which DCP's ``FileSystemReader`` reads back. No public constructor."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+def dcp_shard_prefix(plan: Any) -> str:
+    """``SavePlan.storage_data.prefix`` (a ``_StoragePrefix``): the file-name prefix DCP's global plan gave this
+    rank's shard. Public only inside ``FileSystemWriter.write_data``."""
+    return plan.storage_data.prefix
+
+
+def dcp_stream_extensions(writer: Any) -> Sequence[Any]:
+    """``FileSystemWriter.transforms.extensions`` (``_StorageWriterTransforms``): the stream extensions a writer
+    applies to its files (none by default). Public: the ``_extensions`` argument it was built with."""
+    return writer.transforms.extensions
+
+
+DCP_SHARD_SUFFIX = ".distcp"
+"""``torch.distributed.checkpoint.filesystem.DEFAULT_SUFFIX`` (not in its ``__all__``): a shard file's suffix."""
 
 
 def flatten_state_dict(state: dict[str, Any]) -> dict[str, Any]:

@@ -29,17 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-# PRIVATE (torch): _StorageInfo, DCP's record of where an item lies in a shard file (relative_path, offset, length),
-# the storage_data of every write result, which its FileSystemReader reads back; no public constructor exists. To
-# move into meshwise.compat (docs/checkpoint.md, "Private names").
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from meshwise import compat
 from meshwise.checkpoint.state import write_files
 from meshwise.errors import CheckpointError, MeshwiseError
 
@@ -88,7 +85,7 @@ def without_crc32() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_crc_saved)
 
 
-SHARD_SUFFIX = ".distcp"  # PRIVATE (torch): the value of filesystem.DEFAULT_SUFFIX (not in its __all__)
+SHARD_SUFFIX = compat.DCP_SHARD_SUFFIX
 
 # The frame of a tensor's torch.save archive (the bytes before and after its storage's bytes) by the tensor's
 # layout. Without the CRC32 (without_crc32) an archive is these bytes around the raw storage, whatever the values:
@@ -164,7 +161,7 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
     default = (
         writer.single_file_per_rank
         and writer.thread_count == 1
-        and not writer.transforms.extensions  # PRIVATE (torch): the stream extensions (_StorageWriterTransforms)
+        and not compat.dcp_stream_extensions(writer)
         and writer.serialization_format == SerializationFormat.TORCH_SAVE
     )
     tensors = {i.index: planner.resolve_data(i) for i in plan.items if i.type != WriteItemType.BYTE_IO}
@@ -172,7 +169,7 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
         # device tensors: DCP's writer overlaps their copies to the host with the writes
         with without_crc32():
             return list(FileSystemWriter.write_data(writer, plan, planner).wait())
-    name = f"{plan.storage_data.prefix}0{SHARD_SUFFIX}"  # PRIVATE (torch): the prefix DCP's global plan gave
+    name = f"{compat.dcp_shard_prefix(plan)}0{SHARD_SUFFIX}"
     items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
     items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
     results = []
@@ -194,7 +191,7 @@ def write_shard(writer: FileSystemWriter, plan: SavePlan, planner: SavePlanner) 
                     stream.write(_raw(tensor).numpy())
                     stream.write(frame[1])
             length = stream.tell() - offset
-            info = _StorageInfo(name, offset, length)
+            info = compat.dcp_storage_info(name, offset, length)
             results.append(WriteResult(index=item.index, size_in_bytes=length, storage_data=info))
         if writer.sync_files:
             stream.flush()
