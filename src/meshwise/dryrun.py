@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from meshwise import compat, topology
+from meshwise import compat, rendezvous, topology
 from meshwise.environment import Environment
 from meshwise.layout import Layout, placement_warnings
 
@@ -102,7 +102,7 @@ def active() -> Recorder | None:
 def join_fake_group(env: Environment, timeout: datetime.timedelta) -> None:
     """Be rank ``env.rank`` of ``env.world_size`` on torch's fake backend (what :func:`meshwise.init` does in a dry
     run), with ignite told the planned placement."""
-    topology.join_fake_group(env, timeout)
+    rendezvous.join_fake_group(env, timeout)
     _tell_ignite(env)
 
 

@@ -1,16 +1,16 @@
 """The declared parallel topology of a run: :func:`init` builds the :class:`Topology` (the DeviceMesh and its
 groups) that every layer reaches through :func:`resolve`, and :func:`shutdown` leaves it.
 
-The mesh arithmetic lives in :mod:`meshwise.layout` and the launcher's variables are read in
-:mod:`meshwise.environment`; layers above (the debug watchdog, the dry run's recorder in :mod:`meshwise.dryrun`)
-register work for init and shutdown with :func:`on_init` and :func:`on_shutdown`: this module imports none of them.
+The mesh arithmetic lives in :mod:`meshwise.layout`, the launcher's variables are read in
+:mod:`meshwise.environment` and the world's process group is joined in :mod:`meshwise.rendezvous`; layers above
+(the debug watchdog, the dry run's recorder in :mod:`meshwise.dryrun`) register work for init and shutdown with
+:func:`on_init` and :func:`on_shutdown`: this module imports none of them.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import re
 import socket
 import sys
 import warnings
@@ -24,8 +24,9 @@ import torch.distributed as dist
 
 from meshwise import compat
 from meshwise.environment import Environment, detect_environment
-from meshwise.errors import CollectiveTimeoutError, PlacementWarning, TopologyError
+from meshwise.errors import PlacementWarning, TopologyError
 from meshwise.layout import ROLES, Dims, Layout, check_rank_grid, placement_warnings
+from meshwise.rendezvous import choose_device, join_process_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -228,8 +229,6 @@ class Topology:
 
 
 _CURRENT: Topology | None = None
-_STORE: dist.Store | None = None  # the launcher's rendezvous store, kept for a later init() in this process
-_INITS = 0
 _ON_INIT: list[Callable[[Topology], None]] = []
 _ON_SHUTDOWN: list[Callable[[Topology], None]] = []
 
@@ -304,8 +303,8 @@ def init(
     if adopted is None:
         layout = Layout.resolve(mesh, env.world_size, roles)  # type: ignore[arg-type]
         selections = group_selections(layout, groups)
-        device, backend = _choose_device(env, backend)
-        owns_group = _join_process_group(env, device, backend, timeout)
+        device, backend = choose_device(env, backend)
+        owns_group = join_process_group(env, device, backend, timeout)
         root = _build_mesh(layout, device, backend, timeout)
     else:
         layout, device, backend = _adopt_mesh(adopted, env, roles, backend)
@@ -388,80 +387,6 @@ def _settings(
         debug = os.environ.get("MESHWISE_DEBUG", "").lower() in ("1", "true", "yes", "on")
     run_dir = Path(run_dir if run_dir is not None else os.environ.get("MESHWISE_RUN_DIR", "runs"))
     return timeout, bool(debug), run_dir
-
-
-def _choose_device(env: Environment, backend: str | None) -> tuple[torch.device, str]:
-    """CUDA (this rank's local device, bound now) with NCCL when there is one and no other backend is asked for;
-    torch's fake backend on the CPU in a dry run."""
-    if env.launcher == "dry-run":
-        return torch.device("cpu"), "fake"
-    if torch.cuda.is_available() and backend in (None, "nccl"):
-        device = torch.device("cuda", env.local_rank % max(torch.cuda.device_count(), 1))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return device, backend or ("nccl" if device.type == "cuda" else "gloo")
-
-
-def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Store:
-    """The launcher's store under a prefix of its own for this attempt and this init: the store outlives a group
-    (a restarted torchrun attempt, a second init() in one process), still holding the old group's gloo addresses.
-    srun and mpirun have no agent: rank 0 of the first init hosts the store at the master address."""
-    global _STORE, _INITS
-    if _STORE is None:
-        url = (
-            "env://"
-            if env.launcher in ("torchrun", "env")
-            else f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}"
-        )
-        _STORE = next(dist.rendezvous(url, timeout=timeout))[0]
-    prefixed = dist.PrefixStore(f"meshwise/attempt-{env.restart_count}/init-{_INITS}", _STORE)
-    _INITS += 1
-    return prefixed
-
-
-def _join_process_group(env: Environment, device: torch.device, backend: str, timeout: datetime.timedelta) -> bool:
-    """Create the world's process group unless one exists (the program's own); True when this call created it."""
-    if dist.is_initialized():
-        return False
-    try:
-        if env.launcher == "dry-run":
-            join_fake_group(env, timeout)
-        elif env.world_size == 1:
-            # One process needs no rendezvous: an in-memory store keeps DeviceMesh, DTensor and DCP working.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend,
-                store=_rendezvous_store(env, timeout),
-                rank=env.rank,
-                world_size=env.world_size,
-                timeout=timeout,
-                # a bound device lets DeviceMesh split NCCL groups in one call per dim, not one per group
-                device_id=device if device.type == "cuda" else None,
-            )
-    except (RuntimeError, dist.DistError) as exc:
-        hint = ""
-        if re.search(r"remote=\[?127\.", str(exc)):
-            # gloo announces the address its hostname resolves to; on many clusters and containers that is
-            # 127.0.x.1, which no other node can dial.
-            hint = (
-                ". A rank announced a loopback address (its hostname resolves to 127.x): set "
-                "GLOO_SOCKET_IFNAME (NCCL_SOCKET_IFNAME for NCCL) to the network interface the nodes share"
-            )
-        raise CollectiveTimeoutError(
-            f"rank {env.rank} could not join the process group of {env.world_size} ranks at "
-            f"{env.master_addr}:{env.master_port} within {timeout.total_seconds():.0f}s ({exc}). "
-            f"Check that every rank was started with the same world size and master address{hint}"
-        ) from exc
-    return True
-
-
-def join_fake_group(env: Environment, timeout: datetime.timedelta) -> None:
-    """Be rank ``env.rank`` of ``env.world_size`` on torch's fake backend (a dry run): nothing is ever sent."""
-    dist.init_process_group(
-        "fake", store=compat.fake_store(), rank=env.rank, world_size=env.world_size, timeout=timeout
-    )
 
 
 def planned_nodes(env: Environment) -> tuple[tuple[int, ...], tuple[str, ...]]:
