@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from meshwise.checkpoint.protocol import FORMAT_VERSION
 from meshwise.testing import DistributedFailure, run_command, run_distributed
 
 HERE = Path(__file__).resolve().parent
@@ -388,7 +389,8 @@ def test_errors_name_the_file_and_change_nothing(runs):
     assert ".metadata" in e["missing_dcp_meta"]
     assert f"torch {_newer_torch()}" in e["newer_torch"] and f"this torch {torch.__version__}" in e["newer_torch"]
     assert "damaged" not in e["newer_torch"] and e["newer_torch_intact"]
-    assert "meshwise 9.0" in e["newer_format"] and "format 2" in e["newer_format"], e["newer_format"]
+    newer = f"format {FORMAT_VERSION + 1}"
+    assert "meshwise 9.0" in e["newer_format"] and newer in e["newer_format"], e["newer_format"]
     assert "not a checkpoint folder" in e["not_folder_load"] and "notes.txt" in e["not_folder_load"]
     assert "not a checkpoint folder" in e["not_folder_save"] and e["not_folder_intact"]
     assert "no checkpoint folder" in e["nothing"]

@@ -182,7 +182,7 @@ def test_checkpoint_keeps_n_saved_best_by_score_as_meshwise_folders(runs):
     root = runs["root"]
     kept = sorted(p.name for p in root.iterdir() if p.is_dir())
     assert kept == sorted([*runs["names"], "last_model_8.pt"])  # epoch 1 removed by n_saved, nothing half-written
-    assert (root / runs["names"][0] / "objects" / "trainer.pt").is_file()
+    assert (root / runs["names"][0] / "objects" / "trainer.json").is_file()  # numbers and names: JSON, no pickle
     assert sorted(p.name for p in (root / runs["names"][0]).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
 

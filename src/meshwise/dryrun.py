@@ -232,7 +232,8 @@ def note_checkpoint(root: Any, entry: Any, rank: int, state: dict[str, Any], sma
     files.append({"path": f"{folder}/rng/rank-{rank:05d}.pt", "bytes": None, "what": "this rank's RNG states"})
     if rank == 0:
         files.append({"path": f"{folder}/.metadata", "bytes": None, "what": "DCP metadata (rank 0)"})
-        files += [{"path": f"{folder}/objects/{n}.pt", "bytes": None, "what": "state_dict (rank 0)"} for n in small]
+        what = "state_dict (rank 0; objects/<name>.pt when it is not plain JSON data)"
+        files += [{"path": f"{folder}/objects/{n}.json", "bytes": None, "what": what} for n in small]
     _ACTIVE.checkpoints.append({"folder": folder, "files": files})
     return True
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshwise import dryrun
 from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
+from meshwise.checkpoint.safe import SafeLoadPlanner, SafeReader
 from meshwise.checkpoint.state import (
     apply_dcp_state,
     check_options,
@@ -30,7 +31,7 @@ from meshwise.checkpoint.state import (
     load_object,
     mesh_text,
     optimizer_owners,
-    read_object,
+    read_rng,
     record,
     rederive_rng,
     reshard_message,
@@ -39,7 +40,7 @@ from meshwise.checkpoint.state import (
     small_files,
     warn_differences,
 )
-from meshwise.checkpoint.validation import check_keys, read_record
+from meshwise.checkpoint.validation import check_keys, find_and_read, locate_and_read
 from meshwise.checkpoint.writer import (
     CommitWriter,
     RecordingPlanner,
@@ -88,7 +89,9 @@ class Checkpointer:
     finished, and the next :meth:`save`, :meth:`load`, :meth:`wait` or :meth:`close` waits for it. The copy of the
     saved optimizers' parameters and state is staged by that thread too, and their next ``step()`` waits for it
     (:meth:`wait_staged`); ``async_save="stage-first"`` copies everything before :meth:`save` returns.
-    ``rng_seed`` seeds the RNG streams re-derived when a checkpoint is loaded at another mesh. ``folder`` is
+    ``rng_seed`` seeds the RNG streams re-derived when a checkpoint is loaded at another mesh. Loads read the files as
+    data and never run code from them; ``trust=True`` (here for every load, or per :meth:`load`) also loads what
+    only full pickle can (a state holding objects of its own): docs/checkpoint.md, "Security". ``folder`` is
     the :class:`~meshwise.checkpoint.protocol.CheckpointFolder` of ``root``. Rank 0
     logs what each load restored to the ``meshwise.checkpoint`` logger, at INFO (DEBUG with ``verbose=False``).
     """
@@ -105,6 +108,7 @@ class Checkpointer:
         async_save: bool | str = False,
         rng_seed: int = 0,
         verbose: bool = True,
+        trust: bool = False,
     ) -> None:
         topo = resolve(topology)
         check_options(keep_last, keep_best, score, mode, async_save)
@@ -119,6 +123,7 @@ class Checkpointer:
         self._gate = StagingGate()  # holds the saved optimizers' next step() while their tensors are staged
         self.rng_seed = int(rng_seed)
         self.verbose = verbose
+        self.trust = bool(trust)
         self._pending: Future | None = None
         self._pending_error: BaseException | None = None
         self._last_saved: int | None = None
@@ -438,7 +443,9 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ load
 
-    def load(self, step: int | str = "latest", *, restore_rng: bool = True, **objects: Any) -> CheckpointInfo:
+    def load(
+        self, step: int | str = "latest", *, restore_rng: bool = True, trust: bool | None = None, **objects: Any
+    ) -> CheckpointInfo:
         """Load checkpoint ``step`` (an int or ``"latest"``) into ``objects`` on every rank.
 
         Files and keys are checked before anything is loaded; a mismatch raises :class:`CheckpointError`
@@ -446,6 +453,8 @@ class Checkpointer:
         DCP reshards model and optimizer and the RNG streams are re-derived from ``rng_seed``, the step and
         the data rank (ranks holding the same samples share a stream). Rank 0 logs what was resharded.
         Objects other than modules and optimizers get their saved ``state_dict()`` through ``load_state_dict``.
+        Nothing in the files runs: a file that only full pickle reads (an object's state holding objects of its own)
+        raises a :class:`CheckpointError` naming it, unless ``trust=True`` (default: the constructor's ``trust``).
         A dry run reads nothing: the objects keep their state, and the info says so (docs/dryrun.md).
         """
         self.wait()
@@ -453,18 +462,24 @@ class Checkpointer:
         if dryrun.active() is not None:
             return self._dry_load(step, kinds)
         owners = optimizer_owners(objects, kinds)
-        number, path_text, meta = self._on_rank0(lambda: self._validate(step, kinds))
+        trust = self.trust if trust is None else bool(trust)
+        number, path_text, meta, states = self._on_rank0(lambda: find_and_read(self.folder, step, kinds, trust))
         path = Path(path_text)
         saved_mesh = dict(zip(meta["mesh"]["dims"], meta["mesh"]["sizes"]))
         mesh = dict(self.topology.sizes)
         same_mesh = saved_mesh == mesh and meta.get("world_size") == self.topology.world_size
-        dcp_names = self._load_dcp(path, meta, objects, kinds, owners)
+        saved_rng = self._read_rng(path, trust) if restore_rng and same_mesh else None  # read before any load
+        dcp_names = self._load_dcp(path, meta, objects, kinds, owners, trust)
         for name, kind in kinds.items():
             if kind == "state":
-                load_object(name, objects[name], path / OBJECTS_DIR / f"{name}.pt")
+                load_object(name, objects[name], states[name][1], states[name][0])
         rng = "not restored"
-        if restore_rng:
-            rng = self._restore_rng(path, meta, number, same_mesh)
+        if saved_rng is not None:
+            set_rng_state(saved_rng, self.topology.device)
+            rng = "restored"
+        elif restore_rng:  # RNG states cannot move to another mesh: each data rank's stream is re-derived
+            rederive_rng(int(meta.get("rng_seed", self.rng_seed)), number, self.topology.data_rank)
+            rng = "re-derived"
         if same_mesh:
             message = (
                 f"meshwise checkpoint: loaded step-{number} from {self.root} at the mesh it was saved at "
@@ -493,63 +508,47 @@ class Checkpointer:
         dryrun.note_load(self.root, step, list(kinds))
         return CheckpointInfo(0, str(self.root), {}, list(kinds), False, mesh, mesh, "not restored", text)
 
-    def _validate(self, step: int | str, kinds: Mapping[str, str]) -> tuple[int, str, dict[str, Any]]:
-        """Rank 0: find the folder, read the metadata, check every file the objects need."""
-        number, path = self.folder.find(step)
-        return number, str(path), read_record(path, kinds)
-
-    def _read_dcp(self, path: Path, state: dict[str, Any]) -> None:
-        """Check ``state``'s keys and global shapes against ``path`` (rank 0), then read it in place, resharded."""
+    def _read_dcp(self, path: Path, state: dict[str, Any], trust: bool) -> None:
+        """Check ``state``'s keys and global shapes against ``path`` and read its byte values as data (rank 0; each
+        rank on a pipeline), then read it in place, resharded; nothing in the files runs unless ``trust``."""
+        decoded: dict[bytes, Any] = {}  # byte values the check read: the load takes them from here
         if self.topology.size(self.topology.stage_dims) > 1:  # each stage holds its part of the model: each checks
             try:
-                check_keys(path, state, allow_extra=True)
+                check_keys(path, state, allow_extra=True, trust=trust, decoded=decoded)
                 self._agree(None, "checking the checkpoint's keys")
             except CheckpointError as exc:
                 self._agree(str(exc), "checking the checkpoint's keys")
         else:
-            self._on_rank0(lambda: check_keys(path, state))
+            self._on_rank0(lambda: check_keys(path, state, trust=trust, decoded=decoded))
         import torch.distributed.checkpoint as dcp
 
+        reader, planner = SafeReader(path, trust), SafeLoadPlanner(path, trust, decoded)
         try:
-            dcp.load(state, checkpoint_id=str(path))
-        except Exception as exc:
-            raise CheckpointError(f"reading {path} failed: {exc}") from exc
+            dcp.load(state, storage_reader=reader, planner=planner)
+        except (Exception, dcp.CheckpointException) as exc:  # DCP's is a BaseException
+            raise CheckpointError(f"reading {path} failed: {failure_text(exc)}") from exc
 
-    def load_states(self, entry: int | str | os.PathLike, targets: Mapping[str, Any]) -> dict[str, Any]:
+    def load_states(
+        self, entry: int | str | os.PathLike, targets: Mapping[str, Any], *, trust: bool | None = None
+    ) -> dict[str, Any]:
         """Read the state dicts named in ``targets`` from a checkpoint of :meth:`save_states` or :meth:`save`.
 
         ``entry``: a step, ``"latest"``, a name under ``root`` or a checkpoint folder's path. ``targets`` maps each
         name to a state dict to fill in place (its tensors read through DCP, resharded to the tensors' placements:
         pass the live objects' ``state_dict()``); a name saved without tensors gets rank 0's saved copy instead.
         Returns name → state dict. Everything is checked (rank 0) before anything is read. Call on all ranks.
+        Nothing in the files runs; ``trust=True`` (default: the constructor's) also loads what only full pickle can.
         """
         self.wait()
-        path_text, meta = self._on_rank0(lambda: self._locate(entry, list(targets)))
+        trust = self.trust if trust is None else bool(trust)
+        path_text, meta, states = self._on_rank0(lambda: locate_and_read(self.folder, entry, list(targets), trust))
         path = Path(path_text)
         kinds = {n: meta["objects"][n]["kind"] for n in targets}
         out = {n: targets[n] for n in targets if kinds[n] != "state"}
         if out:
-            self._read_dcp(path, out)
-        for name in targets:
-            if kinds[name] == "state":
-                out[name] = read_object(path / OBJECTS_DIR / f"{name}.pt")
+            self._read_dcp(path, out, trust)
+        out.update({n: state for n, (_, state) in states.items()})
         return {n: out[n] for n in targets}
-
-    def _locate(self, entry: int | str | os.PathLike, names: list[str]) -> tuple[str, dict[str, Any]]:
-        """Rank 0: the folder of ``entry`` and its metadata record, checked to hold ``names`` whole."""
-        if isinstance(entry, int) or entry == "latest":
-            path = self.folder.find(entry)[1]
-        elif isinstance(entry, str) and "/" not in entry and os.sep not in entry:
-            path = self.folder.entry_path(entry)
-        else:
-            path = Path(entry)
-        if not path.is_dir():
-            raise CheckpointError(f"no checkpoint folder {path}: pass a folder a save wrote under {self.root}")
-        saved = read_record(path, {})["objects"]
-        absent = [n for n in names if n not in saved]
-        if absent:
-            raise CheckpointError(f"checkpoint {path} has no object(s) {absent}; it holds {sorted(saved)}")
-        return str(path), read_record(path, {n: saved[n]["kind"] for n in names})
 
     def _load_dcp(
         self,
@@ -558,6 +557,7 @@ class Checkpointer:
         objects: Mapping[str, Any],
         kinds: Mapping[str, str],
         owners: Mapping[str, str],
+        trust: bool,
     ) -> list[str]:
         """Load the modules and optimizers through DCP (resharding them); returns their names."""
         saved_fresh = {n for n in kinds if kinds[n] == "optimizer" and meta["objects"][n].get("fresh")}
@@ -566,7 +566,7 @@ class Checkpointer:
             was_empty = {n for n in names if kinds[n] == "optimizer" and not objects[n].state}
             state = dcp_state(objects, kinds, owners, skip=set(kinds) - set(names))
             try:
-                self._read_dcp(path, state)
+                self._read_dcp(path, state, trust)
             except CheckpointError:
                 for n in was_empty:
                     objects[n].state.clear()  # get_optimizer_state_dict initialised it; leave it as it was
@@ -576,16 +576,14 @@ class Checkpointer:
             objects[n].state.clear()  # saved before its first step: it had no state
         return names
 
-    def _restore_rng(self, path: Path, meta: Mapping[str, Any], step: int, same_mesh: bool) -> str:
-        """Restore each rank's RNG states at the same mesh, else re-derive them per data rank; says which."""
-        if not same_mesh:
-            rederive_rng(int(meta.get("rng_seed", self.rng_seed)), step, self.topology.data_rank)
-            return "re-derived"
-        file = path / RNG_DIR / f"rank-{self.topology.rank:05d}.pt"
-        error = None
+    def _read_rng(self, path: Path, trust: bool) -> dict[str, Any] | None:
+        """This rank's saved RNG states (as data); if any rank cannot read its file, every rank raises."""
+        state, error = None, None
         try:
-            set_rng_state(torch.load(file, weights_only=False), self.topology.device)
+            state = read_rng(path, self.topology.rank, trust)
+        except MeshwiseError as exc:
+            error = str(exc)
         except Exception as exc:  # noqa: BLE001
-            error = f"{file}: {type(exc).__name__}: {exc}"
-        self._agree(error, "restoring the RNG states")
-        return "restored"
+            error = f"{path / RNG_DIR}: {type(exc).__name__}: {exc}"
+        self._agree(error, "reading the RNG states")
+        return state

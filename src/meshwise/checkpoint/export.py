@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
-from meshwise.checkpoint.protocol import LATEST, MARKER, META
+from meshwise.checkpoint.protocol import MARKER, META, CheckpointFolder
+from meshwise.checkpoint.safe import SafeLoadPlanner, SafeReader, read_dcp_metadata
 from meshwise.checkpoint.validation import check_shards, read_record
+from meshwise.checkpoint.writer import failure_text
 from meshwise.errors import CheckpointError
 
 __all__ = ["export", "main", "read_model", "run_cli"]
@@ -32,10 +35,13 @@ def _folder(src: Path) -> Path:
         raise CheckpointError(
             f"{src} is neither a meshwise checkpoint folder (no {META}) nor a checkpoint root (no {MARKER})"
         )
-    if (src / LATEST).is_file():
-        return src / (src / LATEST).read_text().strip()
+    folder = CheckpointFolder(src, keep_last=None, keep_best=None, mode="max")
+    if folder.read_latest() is not None:  # refused when 'latest' leads outside src
+        return folder.find("latest")[1]
     found = []
     for entry in src.iterdir():
+        if entry.is_symlink():
+            continue  # never a folder of a save
         try:
             found.append((json.loads((entry / META).read_text())["unix_time"], entry))
         except (OSError, ValueError, KeyError):
@@ -57,19 +63,20 @@ def _model_key(path: Path, meta: dict[str, Any], key: str) -> str:
     return key
 
 
-def read_model(checkpoint: str | os.PathLike, key: str = "model") -> dict[str, Any]:
+def read_model(checkpoint: str | os.PathLike, key: str = "model", *, trust: bool = False) -> dict[str, Any]:
     """The model ``key`` of ``checkpoint`` as whole tensors at their global shapes, keyed by the model's own FQNs.
 
-    One process, no process group; see :func:`export` for what ``checkpoint`` may name.
+    One process, no process group; see :func:`export` for what ``checkpoint`` may name. Nothing in the files runs:
+    a value only full pickle reads (a module's extra state holding objects) needs ``trust=True``.
     """
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     path = _folder(Path(checkpoint))
-    key = _model_key(path, read_record(path, {}), key)
-    check_shards(path)
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    meta = read_record(path, {}, trust)
+    key = _model_key(path, meta, key)
+    check_shards(path, writer_torch=meta.get("torch"), trust=trust)
+    saved = read_dcp_metadata(path, trust).state_dict_metadata
     prefix = f"{key}."
     target: dict[str, Any] = {}
     for name, md in saved.items():
@@ -84,14 +91,20 @@ def read_model(checkpoint: str | os.PathLike, key: str = "model") -> dict[str, A
     try:
         with warnings.catch_warnings():  # DCP warns that it loads in one process: that is what is asked here
             warnings.simplefilter("ignore", UserWarning)
-            dcp_load({key: target}, storage_reader=FileSystemReader(str(path)), no_dist=True)
-    except Exception as exc:
-        raise CheckpointError(f"reading {key!r} from {path} failed: {exc}") from exc
+            reader, planner = SafeReader(path, trust), SafeLoadPlanner(path, trust)
+            dcp_load({key: target}, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        raise CheckpointError(f"reading {key!r} from {path} failed: {failure_text(exc)}") from exc
     return target
 
 
 def export(
-    checkpoint: str | os.PathLike, out_file: str | os.PathLike, key: str = "model", *, overwrite: bool = False
+    checkpoint: str | os.PathLike,
+    out_file: str | os.PathLike,
+    key: str = "model",
+    *,
+    overwrite: bool = False,
+    trust: bool = False,
 ) -> Path:
     """Write the model ``key`` of ``checkpoint`` as one ``torch.save`` file of plain, whole tensors.
 
@@ -99,11 +112,12 @@ def export(
     ``latest``, else its newest folder). The keys are the model's own FQNs (as the unwrapped model's
     ``state_dict()`` has them), so ``model.load_state_dict(torch.load(out_file))`` works in one process without
     meshwise. An existing ``out_file`` is refused unless ``overwrite=True``; the file appears whole or not at all.
+    The checkpoint is read as data (``trust``: see :func:`read_model`).
     """
     out = Path(out_file)
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out} exists: pass overwrite=True (--overwrite) to replace it, or another path")
-    target = read_model(checkpoint, key)
+    target = read_model(checkpoint, key, trust=trust)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
     os.close(fd)
@@ -125,6 +139,11 @@ def run_cli(argv: list[str], prog: str = "python -m meshwise.checkpoint.export")
     p.add_argument("out", help="the file to write (torch.save of a plain state_dict)")
     p.add_argument("--key", default="model", help="the saved object to export (default: model)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="also read values only full pickle can (it runs code the files name): only for a checkpoint you trust",
+    )
     p.add_argument("--hf", action="store_true", help="write OUT as a Hugging Face folder (config.json + safetensors)")
     p.add_argument("--config", default=None, help="with --hf: the model's config.json, or a folder holding one")
     a = p.parse_args(argv)
@@ -135,9 +154,9 @@ def run_cli(argv: list[str], prog: str = "python -m meshwise.checkpoint.export")
             p.error("--hf needs --config PATH (the model's config.json, or a folder holding one)")
         if a.overwrite:
             p.error("--hf never overwrites: pass an empty or new folder as OUT")
-        print(f"wrote {export_hf(a.src, a.out, config=a.config, key=a.key)}")
+        print(f"wrote {export_hf(a.src, a.out, config=a.config, key=a.key, trust=a.trust)}")
         return 0
-    print(f"wrote {export(a.src, a.out, a.key, overwrite=a.overwrite)}")
+    print(f"wrote {export(a.src, a.out, a.key, overwrite=a.overwrite, trust=a.trust)}")
     return 0
 
 

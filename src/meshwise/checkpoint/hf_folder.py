@@ -19,6 +19,7 @@ import torch
 
 from meshwise import compat
 from meshwise.checkpoint.export import read_model
+from meshwise.checkpoint.safe import inside
 from meshwise.errors import CheckpointError
 
 __all__ = ["CONFIG_IGNORED", "export_hf", "load_hf"]
@@ -94,6 +95,7 @@ def export_hf(
     config: Any,
     key: str = "model",
     max_shard_size: int = 5 * 10**9,
+    trust: bool = False,
 ) -> Path:
     """Write the model ``key`` of ``checkpoint`` as a Hugging Face folder: ``config.json`` and safetensors weights.
 
@@ -103,7 +105,8 @@ def export_hf(
     ``tie_word_embeddings``) are written once, under the first name, as ``save_pretrained`` does; ``from_pretrained``
     ties them again. Past ``max_shard_size`` bytes the weights are split into numbered files with
     ``model.safetensors.index.json``. A folder that already holds a model (config.json, an index or any .safetensors)
-    is refused with nothing written. Returns ``out_dir``.
+    is refused with nothing written. The checkpoint is read as data (``trust``: see
+    :func:`meshwise.checkpoint.export.read_model`). Returns ``out_dir``.
     """
     from safetensors.torch import save_file
 
@@ -111,7 +114,7 @@ def export_hf(
     _refuse_occupied(out)
     config = _config(config)
     cls, names, tied = _expected(config)
-    state = read_model(checkpoint, key)
+    state = read_model(checkpoint, key, trust=trust)
     extra = [k for k, v in state.items() if v is None]
     if extra:
         raise CheckpointError(f"{key!r} holds non-tensor values {extra}, which safetensors cannot store")
@@ -236,6 +239,24 @@ def _restore_buffers(model: torch.nn.Module) -> None:
                 init(module)  # may also touch the module's own parameters: the load below overwrites them
 
 
+def _refuse_broken_tie(model: torch.nn.Module, missing: list[str]) -> None:
+    """A config that ties the output embeddings to the input ones, on a model whose two are separate tensors: a
+    meta-built model that ``to_empty`` materialised without tying (the folder holds the tied weight once)."""
+    from meshwise.parallel.hf import is_hf_model
+
+    if not is_hf_model(model) or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    if inputs is None or outputs is None or getattr(inputs, "weight", None) is getattr(outputs, "weight", None):
+        return
+    raise CheckpointError(
+        f"{type(model).__name__}'s config has tie_word_embeddings=True, but its input and output embeddings are "
+        f"two tensors, so {missing} (stored once, as the tied weight) is not in the folder: model.to_empty() "
+        "unties a model built on the meta device. Call model.tie_weights() right after model.to_empty(...), "
+        "before load_hf() and before building the optimizer"
+    )
+
+
 def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> int:
     """Load a safetensors folder (``save_pretrained``'s or :func:`export_hf`'s) into ``model``, sharded or not.
 
@@ -246,7 +267,8 @@ def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> int:
     config (fields in :data:`CONFIG_IGNORED` and dropouts aside), keys missing from the folder (a tied alias such
     as ``lm_head.weight`` excepted) or left over in it, and shapes that differ. A transformers model's
     non-persistent buffers (rotary ``inv_freq``) are recomputed by its ``_init_weights``. Returns the bytes this
-    rank read from the files (tensor slices plus safetensors headers).
+    rank read from the files (tensor slices plus safetensors headers). safetensors files and config.json hold no
+    code; a file that is a symlink leading out of the folder is refused.
     """
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -254,6 +276,8 @@ def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> int:
     path = Path(folder)
     if not path.is_dir() or not any(path.glob("*.safetensors")):
         raise CheckpointError(f"no *.safetensors in {path}: pass a folder written by save_pretrained or export_hf")
+    for file in [*path.glob("*.safetensors"), path / "config.json"]:
+        inside(path, file)  # safetensors and JSON hold no code; a symlink out of the folder is still refused
     _check_config(path, model)
     state = get_model_state_dict(model)
     saved = _counting_reader(path).read_metadata().state_dict_metadata
@@ -266,6 +290,8 @@ def load_hf(folder: str | os.PathLike, model: torch.nn.Module) -> int:
             first[id(tensor)] = name
     missing = sorted(n for n in state if n not in saved and n not in aliases)
     unexpected = sorted(set(saved) - set(state))
+    if missing:
+        _refuse_broken_tie(model, missing)
     if missing or unexpected:
         raise CheckpointError(
             f"{path} does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}; "

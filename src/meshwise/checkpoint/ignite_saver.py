@@ -37,7 +37,9 @@ class MeshSaver(BaseSaveHandler):
     every rank. Every rank writes its shards (DCP); state without tensors (engine, scheduler) is rank 0's copy; the
     folder appears whole or not at all. ``remove`` (ignite's ``n_saved``) deletes a folder atomically. Resume with
     ``Checkpoint.load_objects(to_load, saver.load(filename, to_load))`` at any mesh. ``async_save=True`` writes in
-    the background as :class:`Checkpointer` does (call :meth:`close` at the end). See docs/checkpoint.md.
+    the background as :class:`Checkpointer` does (call :meth:`close` at the end). Loads never run code from the
+    files; ``trust=True`` (here, or per :meth:`load`) also loads state only full pickle reads. See
+    docs/checkpoint.md.
     """
 
     def __init__(
@@ -47,9 +49,10 @@ class MeshSaver(BaseSaveHandler):
         *,
         async_save: bool = False,
         verbose: bool = True,
+        trust: bool = False,
     ) -> None:
         self.dirname = Path(dirname)
-        self.checkpointer = Checkpointer(dirname, topology, async_save=async_save, verbose=verbose)
+        self.checkpointer = Checkpointer(dirname, topology, async_save=async_save, verbose=verbose, trust=trust)
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         """Save what ignite's ``Checkpoint`` built (the objects' state dicts) as the folder ``dirname/filename``."""
@@ -64,14 +67,14 @@ class MeshSaver(BaseSaveHandler):
         if self.checkpointer.topology.rank == 0:
             self.checkpointer.folder.remove(filename)
 
-    def load(self, filename: str | os.PathLike | None, to_load: Mapping[str, Any]) -> Any:
+    def load(self, filename: str | os.PathLike | None, to_load: Mapping[str, Any], *, trust: bool | None = None) -> Any:
         """The checkpoint ``filename`` as ignite's ``Checkpoint.load_objects(to_load, checkpoint=...)`` wants it.
 
         ``filename``: ignite's name (``handler.last_checkpoint``), a folder's path, or None for the newest folder
         under ``dirname``. Tensors are read through DCP into the objects' own state dicts, resharded to the current
         mesh (an optimizer without state first gets its state initialised, as DCP needs); ``load_objects`` then
         applies the rest. Call on every rank; raises :class:`CheckpointError` naming the problem before anything is
-        read.
+        read. ``trust``: as :meth:`Checkpointer.load_states` (default: this saver's).
         """
         entry = self._newest() if filename is None else filename
         if isinstance(entry, str) and ("/" in entry or os.sep in entry):
@@ -85,7 +88,7 @@ class MeshSaver(BaseSaveHandler):
         names = {SINGLE: next(iter(to_load))} if single else {n: n for n in to_load}
         kinds = {n: saved.get("objects", {}).get(n, {}).get("kind") for n in names}
         targets = {n: _target(to_load, names[n], kinds[n]) for n in names}
-        states = self.checkpointer.load_states(entry, targets)
+        states = self.checkpointer.load_states(entry, targets, trust=trust)
         return states[SINGLE] if single else states
 
     def _newest(self) -> str:
@@ -93,6 +96,8 @@ class MeshSaver(BaseSaveHandler):
         found = []
         if self.dirname.is_dir():
             for entry in self.dirname.iterdir():
+                if entry.is_symlink():
+                    continue  # never a folder of a save: not a candidate
                 try:
                     found.append((json.loads((entry / META).read_text())["unix_time"], entry.name))
                 except (OSError, ValueError, KeyError):

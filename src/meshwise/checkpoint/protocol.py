@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 FORMAT = "meshwise-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: small states as JSON, RNG states as tensors and numbers (1: pickles, still read)
 MARKER = "meshwise-checkpoints.json"  # marks a folder as a checkpoint root
 META = "meshwise.json"  # the metadata record of one checkpoint, written last
 LATEST = "latest"
@@ -97,9 +97,15 @@ def fsync_tree(root: Path) -> None:
 
 
 def write_file(path: Path, text: str, fsync: bool = True) -> None:
-    """Write a small file so that readers see either the old or the new content, never a torn one."""
+    """Write a small file so that readers see either the old or the new content, never a torn one.
+
+    The temporary file is made anew (a stale one, or a symlink planted in its place, is removed first, not
+    followed), and ``os.replace`` replaces a symlink at ``path`` itself: nothing outside the folder is written."""
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "w") as f:
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(tmp, flags, 0o644), "w") as f:
         f.write(text)
         if fsync:
             f.flush()
@@ -157,8 +163,8 @@ class CheckpointFolder:
         if self.root.is_dir():
             for entry in self.root.iterdir():
                 m = _STEP_DIR.match(entry.name)
-                if m and entry.is_dir() and (entry / META).is_file():
-                    out[int(m.group(1))] = entry
+                if m and not entry.is_symlink() and entry.is_dir() and (entry / META).is_file():
+                    out[int(m.group(1))] = entry  # a symlinked step folder is not this root's: never listed
         return dict(sorted(out.items()))
 
     def steps(self) -> list[int]:
@@ -192,18 +198,36 @@ class CheckpointFolder:
         if not self.check_root(for_save=False):
             return None
         path = self.root / LATEST
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path} is a symlink (to {os.readlink(path)}), which a save never writes: refused, nothing was read; "
+                "load a step explicitly"
+            )
         if not path.is_file():
             return None
-        text = path.read_text().strip()
+        text = path.read_text(errors="replace")[:200].strip()
         m = _STEP_DIR.match(text)
         if not m:
+            outside = text.isprintable() and ("/" in text or "\\" in text or ".." in text)
+            shown = repr(text) if len(text) <= 60 else repr(text[:60]) + "..."
             raise CheckpointError(
-                f"{path} holds {text!r}, not 'step-N': the pointer is damaged; load a step explicitly"
+                f"{path} holds {shown}, not 'step-N': "
+                + ("it points outside the checkpoint root, refused, nothing was read" if outside else "it is damaged")
+                + "; load a step explicitly"
             )
         return int(m.group(1))
 
     def find(self, step: int | str) -> tuple[int, Path]:
-        """The step number and folder of ``step`` (an int or ``"latest"``); raises when it does not exist."""
+        """The step number and folder of ``step`` (an int or ``"latest"``); raises when it does not exist or leads
+        outside ``root`` (a symlink)."""
+        number, path = self._find(step)
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path} is a symlink (to {os.readlink(path)}), which a save never makes: refused, nothing was read"
+            )
+        return number, path
+
+    def _find(self, step: int | str) -> tuple[int, Path]:
         if not self.root.exists():
             raise CheckpointError(f"no checkpoint folder at {self.root}: nothing was saved there yet")
         if not self.check_root(for_save=False):
@@ -238,7 +262,9 @@ class CheckpointFolder:
         if not marker.exists():
             write_file(marker, json.dumps({"format": FORMAT, "version": FORMAT_VERSION}) + "\n")
         tmp = self.tmp_path(step)
-        if tmp.exists():
+        if tmp.is_symlink():
+            tmp.unlink()  # not a folder of ours: the link goes, never what it points at
+        elif tmp.exists():
             shutil.rmtree(tmp)  # a stale folder of a save of this step that crashed
         tmp.mkdir(parents=True)
         for name in subdirs:

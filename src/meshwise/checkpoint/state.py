@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from meshwise.checkpoint.protocol import FORMAT, FORMAT_VERSION, OBJECTS_DIR, RNG_DIR, fsync_dir
+from meshwise.checkpoint.safe import decode_json, encode_json, object_file, read_torch_file
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.parallel.apply import reshard
 
@@ -41,6 +42,7 @@ __all__ = [
     "optimizer_owners",
     "read_object",
     "record",
+    "read_rng",
     "rederive_rng",
     "reshard_message",
     "rng_state",
@@ -191,20 +193,67 @@ def apply_dcp_state(
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's torch, numpy and python RNG states (and CUDA's on a CUDA ``device``)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's torch, numpy and python RNG states (and CUDA's on a CUDA ``device``), as tensors, numbers and
+    names only (what ``torch.load(weights_only=True)`` reads back: no numpy array, no pickled object)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, words, py_gauss = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+        "python": {"version": int(version), "words": torch.tensor(words, dtype=torch.int64), "gauss": py_gauss},
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: Mapping[str, Any], device: torch.device) -> None:
-    """Restore what :func:`rng_state` returned."""
+    """Restore what :func:`read_rng` returned."""
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+_NUMPY_SCRATCH: list[np.random.RandomState] = []
+
+
+def _scratch_numpy() -> np.random.RandomState:
+    """One generator to try saved numpy states on (a new one costs ~0.1 ms: it seeds from the OS)."""
+    if not _NUMPY_SCRATCH:
+        _NUMPY_SCRATCH.append(np.random.RandomState(0))
+    return _NUMPY_SCRATCH[0]
+
+
+def read_rng(folder: Path, rank: int, trust: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s saved RNG states in checkpoint ``folder``, read as data (``weights_only=True``; the first
+    format's numpy state holds an array, which that allows) and checked on scratch generators, as
+    :func:`set_rng_state` takes them; raises naming the file."""
+    file = folder / RNG_DIR / f"rank-{rank:05d}.pt"
+    saved = read_torch_file(folder, file, trust)
+    try:
+        saved_np, saved_py = saved["numpy"], saved["python"]
+        if isinstance(saved_np, Mapping):  # this format: tensors, numbers and names
+            keys = np.asarray(saved_np["keys"].numpy(), dtype=np.uint32)
+            saved_np = (saved_np["name"], keys, saved_np["pos"], saved_np["has_gauss"], saved_np["cached_gaussian"])
+        if isinstance(saved_py, Mapping):
+            saved_py = (saved_py["version"], tuple(int(w) for w in saved_py["words"].tolist()), saved_py["gauss"])
+        state = {"torch": saved["torch"], "numpy": saved_np, "python": saved_py}
+        torch.Generator().set_state(state["torch"])
+        _scratch_numpy().set_state(state["numpy"])
+        random.Random().setstate(state["python"])
+        if "cuda" in saved:
+            state["cuda"] = saved["cuda"]
+    except Exception as exc:  # noqa: BLE001 - whatever is wrong in it, the file is named
+        raise CheckpointError(f"{file} does not hold RNG states ({type(exc).__name__}: {exc}): it is damaged") from exc
+    return state
 
 
 def derived_seed(base: int, step: int, stream: int) -> int:
@@ -236,7 +285,9 @@ def small_files(
     tmp: Path, small: Mapping[str, Any], rng: bool, error: str | None, topology: Any, copied: bool
 ) -> tuple[dict[str, Any], dict[Path, Any]]:
     """This rank's RNG states and (rank 0) the other objects' states, as files to write (by the writer) into
-    ``tmp``; ``copied``: deep copies (an async save writes them later).
+    ``tmp``; ``copied``: deep copies (an async save writes them later). A state made of dicts, lists, tuples,
+    numbers, strings and None becomes ``objects/<name>.json`` (its text, already a copy); any other is
+    ``objects/<name>.pt``, which a load reads with ``weights_only=True`` (or, holding objects, ``trust=True``).
 
     Returns this rank's report for the commit (its error, the digests of its objects' states, compared
     there across ranks) and the files.
@@ -250,18 +301,25 @@ def small_files(
         for name, sd in small.items():
             digests[name] = digest(sd)
             if rank == 0:
-                files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if copied else sd
+                text = encode_json(sd)
+                if text is not None:
+                    files[tmp / OBJECTS_DIR / f"{name}.json"] = text
+                else:
+                    files[tmp / OBJECTS_DIR / f"{name}.pt"] = copy.deepcopy(sd) if copied else sd
     except Exception as exc:  # noqa: BLE001 - reported at the commit, so that no rank waits alone
         error = error or f"{type(exc).__name__}: {exc}"
     return {"error": error, "digests": digests}, files
 
 
 def write_files(files: Mapping[Path, Any], fsync: bool = False) -> str | None:
-    """``torch.save`` each value to its path (``fsync``: and onto the disk before returning); the error as text
-    (reported at the commit), or None."""
+    """``torch.save`` each value to its path (a ``.json`` path: the value is its text; ``fsync``: and onto the
+    disk before returning); the error as text (reported at the commit), or None."""
     try:
         for path, value in files.items():
-            torch.save(value, path)
+            if path.suffix == ".json":
+                path.write_text(value)
+            else:
+                torch.save(value, path)
             if fsync:
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -301,19 +359,26 @@ def holds_tensors(state: Any) -> bool:
     return False
 
 
-def read_object(file: Path) -> Any:
-    """Read ``file`` (rank 0's copy of an object's state); raises naming the file."""
+def read_object(folder: Path, name: str, trust: bool = False) -> tuple[str, Any]:
+    """The file of object ``name``'s saved state in checkpoint ``folder`` (rank 0's copy) and that state, read as
+    data (JSON, or a torch file with ``weights_only=True``; ``trust``: a torch file holding objects of its own with
+    full pickle); raises naming the file."""
+    file = object_file(folder, name)
+    if file is None:
+        raise CheckpointError(f"{folder / OBJECTS_DIR / (name + '.json')} is missing: the checkpoint is incomplete")
+    if file.suffix == ".pt":
+        return str(file), read_torch_file(folder, file, trust)
     try:
-        return torch.load(file, weights_only=False)
-    except Exception as exc:  # noqa: BLE001
+        return str(file), decode_json(file.read_text())
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file} cannot be read ({type(exc).__name__}: {exc}): it is damaged") from exc
 
 
-def load_object(name: str, obj: Any, file: Path) -> None:
-    """Load ``file`` (rank 0's copy of the state of ``name``) into ``obj``; raises naming the file."""
-    sd = read_object(file)
+def load_object(name: str, obj: Any, state: Any, file: str) -> None:
+    """Load ``state`` (rank 0's saved copy of the state of ``name``, read from ``file``) into ``obj``; raises
+    naming the file."""
     try:
-        obj.load_state_dict(sd)
+        obj.load_state_dict(state)
     except MeshwiseError:
         raise
     except Exception as exc:
