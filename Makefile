@@ -64,3 +64,35 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(NEXT) runs .pytest_cache .ruff_cache
+
+# ignite's own metric tests (tests/ignite/metrics of the installed pytorch-ignite, from its source distribution on
+# the package index, kept in .ignite-tests/) run plainly and with meshwise's adoption of ignite metrics active
+# (tests/ignite_suite/meshwise_adoption.py): in one process, and on 2 gloo ranks through ignite's own distributed
+# fixtures (a plain dp mesh). Any difference in outcome that is not a documented refusal fails the target
+# (tests/ignite_suite/compare.py, docs/ignite.md). About 7 minutes of tests on 2 cores.
+.PHONY: test-ignite-metrics
+IGNITE_TESTS := .ignite-tests
+IGNITE_SUITE ?= tests/ignite/metrics
+IGNITE_PYTEST = CUDA_VISIBLE_DEVICES= $(CURDIR)/$(BIN)/python -m pytest -q -p no:cacheprovider \
+	--continue-on-collection-errors --timeout=120 $(IGNITE_SUITE)
+IGNITE_MESHWISE = PYTHONPATH=$(CURDIR)/tests/ignite_suite MESHWISE_IGNITE_REPORT=../adoption.txt
+IGNITE_DIST = -m distributed --dist=each --tx 2*popen//python=$(CURDIR)/$(BIN)/python
+test-ignite-metrics: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[dev,ignite-tests]'
+	set -e; v=$$($(BIN)/python -c "import ignite; print(ignite.__version__)"); d=$(IGNITE_TESTS)/$$v; \
+	if [ ! -d $$d ]; then \
+		rm -rf $(IGNITE_TESTS)/tmp; mkdir -p $(IGNITE_TESTS)/tmp; \
+		$(BIN)/python -m pip download -q --no-binary :all: --no-deps pytorch-ignite==$$v -d $(IGNITE_TESTS)/tmp; \
+		tar xzf $(IGNITE_TESTS)/tmp/pytorch_ignite-$$v.tar.gz -C $(IGNITE_TESTS)/tmp \
+			pytorch_ignite-$$v/tests pytorch_ignite-$$v/pyproject.toml; \
+		mv $(IGNITE_TESTS)/tmp/pytorch_ignite-$$v $$d; rm -rf $(IGNITE_TESTS)/tmp; \
+	fi; \
+	cd $$d; rm -f ../adoption.txt ../*.xml; echo "make test-ignite-metrics: pytorch-ignite $$v"; \
+	$(IGNITE_PYTEST) -m "not distributed and not tpu and not multinode_distributed" --junitxml=../plain-1.xml || true; \
+	$(IGNITE_MESHWISE) $(IGNITE_PYTEST) -p meshwise_adoption \
+		-m "not distributed and not tpu and not multinode_distributed" --junitxml=../meshwise-1.xml || true; \
+	WORLD_SIZE=2 $(IGNITE_PYTEST) $(IGNITE_DIST) --junitxml=../plain-2.xml || true; \
+	WORLD_SIZE=2 $(IGNITE_MESHWISE) $(IGNITE_PYTEST) -p meshwise_adoption $(IGNITE_DIST) --junitxml=../meshwise-2.xml || true; \
+	cat ../adoption.txt; \
+	echo "== one process"; $(CURDIR)/$(BIN)/python $(CURDIR)/tests/ignite_suite/compare.py ../plain-1.xml ../meshwise-1.xml; \
+	echo "== 2 gloo ranks (dp=2)"; $(CURDIR)/$(BIN)/python $(CURDIR)/tests/ignite_suite/compare.py ../plain-2.xml ../meshwise-2.xml

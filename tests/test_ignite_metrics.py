@@ -143,6 +143,7 @@ def _mesh_run(topo) -> dict:
         out["rows"][n] = sum(len(s) for s in steps)
         if n == 203:
             tops = list(metrics.values())
+            tops[0].load_state_dict(tops[0].state_dict())  # the same states, but every cached result is stale
             with CollectiveCounter() as first:
                 tops[0].compute()
             with CollectiveCounter() as rest:
@@ -158,6 +159,9 @@ def _mesh_run(topo) -> dict:
         out["plain"][n] = dict(plain.state.metrics)
     if not topo.split_dims and not topo.replica_dims:
         out["errors"] = _errors(topo, net)
+    out["habits"] = _habits(topo)
+    out["group_rank"] = topo.coordinate(topo.metric_dims)
+    out["group_size"] = topo.size(topo.metric_dims)
     if topo.split_dims:
         # a per-token loss over sequences split in two equal chunks along cp: each split rank adds its part
         data = dataset(203)
@@ -182,7 +186,7 @@ def _mesh_run(topo) -> dict:
 
 
 class GatheringMetric(Accuracy):
-    """A user's metric whose compute gathers with idist: meshwise cannot route it and must say so."""
+    """A user's metric whose compute gathers with idist: right where a gather is, refused elsewhere."""
 
     def compute(self):
         import ignite.distributed as idist
@@ -190,33 +194,130 @@ class GatheringMetric(Accuracy):
         return idist.all_gather(torch.tensor([self._num_examples])).sum().item()
 
 
-def _errors(topo, net) -> dict:
-    """Refusals: each rank gets the same MetricError, no hang and no gloo abort."""
+class CountingMetric(Metric):
+    """A user's metric that counts how often its compute() runs."""
+
+    _state_dict_all_req_keys = ("_n",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    @reinit__is_reduced
+    def reset(self) -> None:
+        self._n = 0
+
+    @reinit__is_reduced
+    def update(self, output) -> None:
+        self._n += output[1].shape[0]
+
+    @sync_all_reduce("_n")
+    def compute(self) -> int:
+        self.calls += 1
+        return self._n
+
+
+class OneRankFails(Accuracy):
+    """A compute() that raises on the group's rank 0 while the other ranks go on into a reduction."""
+
+    def compute(self):
+        import ignite.distributed as idist
+
+        if idist.get_rank() == 0:
+            raise ValueError("only rank 0 of the group fails")
+        return float(idist.all_reduce(torch.tensor(1.0)))
+
+
+def _multilabel_refused(p, t):  # what scikit-learn says to CohenKappa's multilabel input, on rank 0 only
+    raise ValueError("multilabel-indicator is not supported")
+
+
+def _correct(p, t):
+    return int((p.argmax(1) == t).sum())
+
+
+HABIT_N = 7
+
+
+def _habits(topo) -> dict:
+    """ignite's contracts under adoption: restore, errors, one compute per completion, gathers where right."""
     from ignite.metrics import EpochMetric
 
     from meshwise.data import ArrayDataset, mesh_dataloader
     from meshwise.errors import MetricError
     from meshwise.metrics import adopt_ignite_metrics
 
+    net = model()
+    loader = mesh_dataloader(
+        ArrayDataset(dataset(HABIT_N)), topo, global_batch_size=B_LOCAL * topo.data_size, mode="eval"
+    )
+    out: dict = {}
+
+    def engine_with(metrics: dict) -> Engine:
+        engine = Engine(lambda e, b: (net(b["input"]), b["target"]))
+        for name, m in metrics.items():
+            m.attach(engine, name)
+        return engine
+
+    # one compute() per completion per metric object: attached under two names and inside a MetricsLambda
+    counting, acc, prec = CountingMetric(), Accuracy(), Precision(average="weighted")
+    engine = engine_with({})
+    for name, m in {"count_a": counting, "count_b": counting, "count_x2": counting * 2, "acc": acc}.items():
+        m.attach(engine, name)
+    prec.attach(engine, "precision")
+    adopt_ignite_metrics(engine, topo)
+    with torch.no_grad():
+        engine.run(loader, max_epochs=2)
+    out["metrics"] = _plain(dict(engine.state.metrics))
+    out["calls"] = counting.calls
+    # ignite's load_state_dict contract: state_dict() -> reset() -> load_state_dict() computes the same
+    out["restored"] = {}
+    for name, m in {"acc": acc, "precision": prec, "count_a": counting}.items():
+        state = m.state_dict()
+        m.reset()
+        m.load_state_dict(state)
+        out["restored"][name] = _plain(m.compute())
+
+    # an error in compute() reaches the user on every rank, even one raised while others are in a collective
+    def outcome(metrics: dict) -> dict:
+        try:
+            engine = engine_with(metrics)
+            adopt_ignite_metrics(engine, topo)
+            with torch.no_grad():
+                engine.run(loader, max_epochs=1)
+            return {"value": _plain(dict(engine.state.metrics))}
+        except Exception as exc:  # noqa: BLE001 - the test compares the error each rank gets
+            return {"error": type(exc).__name__, "message": str(exc)}
+
+    out["one_rank_fails"] = outcome({"fails": OneRankFails()})
+    out["epoch_metric_fails"] = outcome({"kappa": EpochMetric(_multilabel_refused, check_compute_fn=False)})
+    # a gathering metric: right (so allowed) with one rank in the metric group or on a mesh of batch dims only
+    out["epoch_metric"] = outcome({"correct": EpochMetric(_correct, check_compute_fn=False)})
+    out["gathers"] = outcome({"examples": GatheringMetric()})
+    out["refusal_type"] = MetricError.__name__
+    return out
+
+
+def _errors(topo, net) -> dict:
+    """Refusals: each rank gets the same MetricError, no hang and no gloo abort."""
+    from meshwise.data import ArrayDataset, mesh_dataloader
+    from meshwise.errors import MetricError
+    from meshwise.metrics import adopt_ignite_metrics
+
     loader = mesh_dataloader(ArrayDataset(dataset(7)), topo, global_batch_size=3, mode="eval")
     messages = {}
-    cases = {
-        "epoch_metric": (EpochMetric(lambda p, t: 0.0), loader),
-        "gathers": (GatheringMetric(), loader),
-        # a rank that never gets a batch: its Precision has no per-class state to reduce
-        "no_batch": (Precision(average=False), loader if topo.rank == 0 else []),
-    }
-    for name, (metric, data) in cases.items():
-        engine = Engine(lambda e, b: (net(b["input"]), b["target"]))
-        metric.attach(engine, name)
-        try:
-            adopt_ignite_metrics(engine, topo)
-            if data:
-                engine.run(data, max_epochs=1)
-            else:  # ignite refuses an empty loader: this rank computes without a batch, as the others finish
-                metric.compute()
-        except MetricError as exc:
-            messages[name] = str(exc)
+    # a rank that never gets a batch: its Precision has no per-class state to reduce
+    metric = Precision(average=False)
+    engine = Engine(lambda e, b: (net(b["input"]), b["target"]))
+    metric.attach(engine, "no_batch")
+    try:
+        adopt_ignite_metrics(engine, topo)
+        if topo.rank == 0:
+            engine.run(loader, max_epochs=1)
+        else:  # ignite refuses an empty loader: this rank computes without a batch, as the others finish
+            metric.compute()
+    except MetricError as exc:
+        messages["no_batch"] = str(exc)
     return messages
 
 
@@ -270,8 +371,69 @@ def _check(results: list[dict], data_leaders: list[int]) -> None:
             assert out["plain"][n]["acc"] == ref["acc"]
             assert out["plain"][n]["loss"] == pytest.approx(ref["loss"], rel=1e-6)
         fused, rest = results[0]["collectives"]
-        assert fused == ["all_reduce", "all_reduce"], fused  # a layout check and one fused all-reduce
+        # an agreement and one fused all-reduce of every sync_all_reduce state; Precision(average="weighted")'s
+        # own idist.all_reduce in compute(): an agreement and the reduction; the last agreement
+        assert fused == ["all_reduce"] * 5, fused
         assert rest == [], rest  # the other metrics of the same event: computed by that one sync
+
+
+def habits_reference() -> dict:
+    """The habits' metrics in one process, no meshwise, over the whole set."""
+    data, net = dataset(HABIT_N), model()
+    engine = Engine(lambda e, b: b)
+    counting = CountingMetric()
+    for name, m in {"count_a": counting, "count_b": counting, "count_x2": counting * 2, "acc": Accuracy()}.items():
+        m.attach(engine, name)
+    Precision(average="weighted").attach(engine, "precision")
+    with torch.no_grad():
+        engine.run([(net(data["input"]), data["target"])], max_epochs=2)
+    return {**_plain(dict(engine.state.metrics)), "calls": counting.calls}
+
+
+def _check_habits(results: list[dict], gathers_right: bool) -> None:
+    ref = habits_reference()
+    data = dataset(HABIT_N)
+    with torch.no_grad():
+        correct = _correct(model()(data["input"]), data["target"])
+    for rank, r in enumerate(results):
+        h = r["habits"]
+        got = h["metrics"]
+        # ignite runs compute() once per call: 2 names and a MetricsLambda, 2 epochs: 6 (not twice that)
+        assert h["calls"] == ref["calls"] == 6, (rank, h["calls"], ref["calls"])
+        assert got["count_a"] == got["count_b"] == HABIT_N and got["count_x2"] == 2 * HABIT_N
+        assert got["acc"] == ref["acc"], (rank, got["acc"], ref["acc"])
+        assert got["precision"] == pytest.approx(ref["precision"], rel=1e-12)
+        # restored from its state_dict: what the unbroken metric computed
+        assert h["restored"] == {"acc": got["acc"], "precision": got["precision"], "count_a": HABIT_N}, rank
+        # the error reaches every rank: the raising rank gets its own, the others a MetricError naming it
+        fails = h["one_rank_fails"]
+        group_rank_0 = r["group_rank"] == 0 or r["group_size"] == 1
+        if group_rank_0:
+            assert fails == {"error": "ValueError", "message": "only rank 0 of the group fails"}, (rank, fails)
+        else:
+            assert fails["error"] == "MetricError", (rank, fails)
+            assert "ValueError: only rank 0 of the group fails" in fails["message"], (rank, fails)
+        if gathers_right:
+            kappa = h["epoch_metric_fails"]
+            assert kappa["error"] == ("ValueError" if group_rank_0 else "MetricError"), (rank, kappa)
+            assert "multilabel-indicator is not supported" in kappa["message"], (rank, kappa)
+            assert h["epoch_metric"] == {"value": {"correct": correct}}, (rank, h["epoch_metric"], correct)
+            assert h["gathers"] == {"value": {"examples": HABIT_N}}, (rank, h["gathers"])
+        else:
+            for key in ("epoch_metric", "epoch_metric_fails", "gathers"):
+                refused = h[key]
+                assert refused["error"] == "MetricError", (rank, key, refused)
+                assert (
+                    "idist.all_gather" in refused["message"] and "create_evaluator(metrics=...)" in refused["message"]
+                )
+
+
+def _one_process(topo) -> dict:
+    return {"habits": _habits(topo), "group_rank": 0, "group_size": 1}
+
+
+def test_ignite_contracts_in_one_process():
+    _check_habits(run_distributed(_one_process, 1, mesh={"dp": 1}, timeout=120), gathers_right=True)
 
 
 @pytest.mark.slow
@@ -279,10 +441,9 @@ def test_ignite_metrics_dp3_and_padding_only_ranks():
     results = run_distributed(_mesh_run, 3, mesh={"dp": 3}, timeout=240)
     assert [r["rows"][1] for r in results] == [1, 0, 0]  # ranks 1, 2 see only padding
     _check(results, [0, 1, 2])
+    _check_habits(results, gathers_right=True)
     for r in results:
         errors = r["errors"]
-        assert "EpochMetric" in errors["epoch_metric"] and "torchmetrics" in errors["epoch_metric"]
-        assert "idist.all_gather" in errors["gathers"] and "create_evaluator(metrics=...)" in errors["gathers"]
         assert "same number of batches" in errors["no_batch"]
         assert "rank 0: 2 reductions of 8 values, rank 1: 2 reductions of 2 values" in errors["no_batch"]
 
@@ -290,11 +451,13 @@ def test_ignite_metrics_dp3_and_padding_only_ranks():
 def test_ignite_metrics_dp2_tp2_not_counted_per_replica():
     results = run_distributed(_mesh_run, 4, mesh={"dp": 2, "tp": 2}, timeout=240)
     _check(results, [0, 2])
+    _check_habits(results, gathers_right=False)
 
 
 def test_ignite_metrics_dp2_cp2_whole_samples_and_parts():
     results = run_distributed(_mesh_run, 4, mesh={"dp": 2, "cp": 2}, timeout=240)
     _check(results, [0, 2])
+    _check_habits(results, gathers_right=False)
     data = dataset(203)
     whole = _seq_loss(data["seq"], data["seq_target"]).item()
     for r in results:

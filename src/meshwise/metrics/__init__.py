@@ -4,8 +4,8 @@
 (:mod:`~meshwise.metrics.mesh_metric`); :class:`MeanLoss` is a sample- or token-weighted mean
 (:mod:`~meshwise.metrics.mean_loss`); :func:`compute_all` fuses several metrics into one sync
 (:mod:`~meshwise.metrics.sync`); :func:`adopt_ignite_metrics` does the same for ignite's own metrics attached to an
-``Engine`` (:mod:`~meshwise.metrics.ignite_metrics`). ``MetricSyncTimeout`` lives in :mod:`meshwise.errors` and
-is re-exported here.
+``Engine`` (:mod:`~meshwise.metrics.ignite_metrics`, computed by :mod:`~meshwise.metrics.ignite_compute`).
+``MetricSyncTimeout`` lives in :mod:`meshwise.errors` and is re-exported here.
 """
 
 from __future__ import annotations
