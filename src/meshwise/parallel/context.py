@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from meshwise.errors import ParallelError
 from meshwise.parallel.ring import ring_attention
+from meshwise.parallel.routing import arm, calls_sdpa, note_call, unwatched
 from meshwise.topology import Topology, resolve
 
 __all__ = [
@@ -81,6 +82,16 @@ def _gather_positions(positions: torch.Tensor, group: Any, size: int) -> torch.T
     else:
         gathered = positions
     if not torch.equal(torch.sort(gathered).values, torch.arange(gathered.numel(), device=gathered.device)):
+        with unwatched():
+            local = torch.arange(positions.numel(), device=gathered.device)
+        if size > 1 and positions.numel() and bool((gathered.view(size, -1) == local).all()):
+            raise ParallelError(
+                f"context-parallel attention: every split rank passed positions 0..{positions.numel() - 1}, the local "
+                "token count: they were built inside the forward (torch.arange(t) over this rank's part), but the "
+                f"ranks hold different parts of a window of {gathered.numel()} tokens; pass the batch's global "
+                "positions, model(x, positions=batch['positions']) (position_ids= for transformers models), and use "
+                "them in the forward instead of torch.arange (docs/context.md: third-party models)"
+            )
         raise ParallelError(
             f"context-parallel attention: the positions of the split ranks' tokens are not 0..{gathered.numel() - 1} "
             f"once each (got {sorted(gathered.tolist())[:16]}...): pass batch['positions'] from a loader with "
@@ -233,6 +244,7 @@ def attention(
     forward, ``size - 1`` K/V and ``size`` gradient sends backward.
     """
     _check_kind(kind, ring_above)
+    note_call()  # the routing proof counts the calls (meshwise.parallel.routing)
     topology = resolve(topology)
     dim = _split_dim(topology, dim)
     if not (q.shape[-2] == k.shape[-2] == v.shape[-2] and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
@@ -292,27 +304,13 @@ class ContextAttention:
         return f"ContextAttention({self.description})"
 
 
-_CALLS_SDPA: dict[type, bool] = {}
-
-
-def _calls_sdpa(cls: type) -> bool:
-    """Whether ``cls.forward``'s own source calls ``scaled_dot_product_attention`` (cached per class)."""
-    if cls not in _CALLS_SDPA:
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):
-            source = ""
-        _CALLS_SDPA[cls] = "scaled_dot_product_attention" in source
-    return _CALLS_SDPA[cls]
-
-
 def _plain_attention(module: nn.Module) -> bool:
     """An attention module without meshwise's entry point: it attends to whatever tokens it is given."""
     if hasattr(module, ENTRY_POINT):
         return False
     cls = type(module)
     hf = cls.__module__.startswith("transformers.") and cls.__name__.endswith("Attention")
-    return isinstance(module, nn.MultiheadAttention) or hf or _calls_sdpa(cls)
+    return isinstance(module, nn.MultiheadAttention) or hf or calls_sdpa(cls)
 
 
 def unrouted_attention(model: nn.Module) -> list[str]:
@@ -364,6 +362,8 @@ def context_parallel(
     dim: str | None = None,
     kind: str = "auto",
     ring_above: int = RING_ABOVE,
+    sdpa: bool | Sequence[str] = False,
+    positions_into: str | Sequence[str] = (),
 ) -> nn.Module:
     """Make ``model``'s attention attend across the split dim ``dim``; return ``model`` (changed in place).
 
@@ -371,6 +371,18 @@ def context_parallel(
     as ``self.context_attention(q, k, v, positions)`` when set) gets a :class:`ContextAttention` of ``kind``
     (``"auto"``: the ring for windows longer than ``ring_above`` tokens, else the all-gather). The model's
     ``forward`` must take ``positions`` (its tokens' global positions); calling it without them then raises.
+    A transformers model is routed through its attention interface instead.
+
+    ``sdpa``: the road for a model written without meshwise in mind. ``True`` routes the
+    ``F.scaled_dot_product_attention`` calls of every module whose own ``forward`` makes them (or name the
+    modules); the model is called with ``positions=`` (taken out of the call when its forward has no such
+    argument), and each module named in ``positions_into`` (e.g. a learned position embedding) gets them in
+    place of the ``torch.arange(t)`` the forward gives it.
+
+    Under a split dim of size > 1 the first forward proves the routing (:mod:`meshwise.parallel.routing`): an
+    attention module that did not call meshwise's attention, an SDPA call that bypassed it, or (``sdpa``) a
+    ``torch.arange`` of the local token count no ``positions_into`` module took, raise a ``ParallelError``
+    naming them before any backward.
     """
     _check_kind(kind, ring_above)
     topology = resolve(topology)
@@ -382,33 +394,70 @@ def context_parallel(
         )
     from meshwise.parallel.hf import hf_context_parallel, is_hf_model
 
-    if is_hf_model(model):  # transformers' own attention, routed through its AttentionInterface
-        return hf_context_parallel(model, ContextAttention(topology, dim, kind, ring_above))
-    attention_modules = [m for m in model.modules() if hasattr(m, ENTRY_POINT)]
-    if not attention_modules:
-        raise ParallelError(
-            f"{type(model).__name__} has no known attention entry point for context parallel: give its attention "
-            f"modules an attribute `{ENTRY_POINT} = None` and, when it is set, call "
-            f"`self.{ENTRY_POINT}(q, k, v, positions)` instead of F.scaled_dot_product_attention (or call "
-            "meshwise.parallel.context.attention yourself)"
+    into = (positions_into,) if isinstance(positions_into, str) else tuple(positions_into)
+    if into and sdpa is False:
+        raise ParallelError("context_parallel(positions_into=...) belongs to the SDPA road: pass sdpa=True as well")
+    own = sdpa is False and not is_hf_model(model)
+    if own:  # checked before the attention is built: a bad model is refused on any mesh
+        _check_entry_points(model)
+    attn = ContextAttention(topology, dim, kind, ring_above)
+    route = None
+    if sdpa is not False:
+        from meshwise.parallel.sdpa import route_sdpa
+
+        route = route_sdpa(model, attn, sdpa, into)
+        fix = (
+            "their forward made no F.scaled_dot_product_attention call (e.g. a hand-written softmax path): make "
+            "it call SDPA, or give them the `context_attention` entry point"
         )
-    if "positions" not in inspect.signature(model.forward).parameters:
-        raise ParallelError(
-            f"{type(model).__name__}.forward takes no `positions`: under context parallel the model needs the "
-            "global positions of its tokens (position embeddings, the causal mask): add a positions=None argument"
+    elif not own:  # transformers' own attention, routed through its AttentionInterface
+        hf_context_parallel(model, attn)
+        fix = (
+            "this transformers family's attention does not call transformers' attention interface "
+            "(config._attn_implementation), which is the only door meshwise has into it: train it without a "
+            "split dim, or pick a family whose attention goes through the interface (Llama, Mistral, Qwen, ...)"
         )
+    else:
+        for m in model.modules():
+            if hasattr(m, ENTRY_POINT):
+                setattr(m, ENTRY_POINT, attn)
+        model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+        fix = f"their forward must call `self.{ENTRY_POINT}(q, k, v, positions)` when it is set"
+    _check_no_plain_attention(model)
+    if topology.size(attn.dim) > 1:
+        expected = {n: m for n, m in model.named_modules() if getattr(m, ENTRY_POINT, None) is attn}
+        local = route.local_tokens if route is not None else None
+        arm(model, expected, fix, local_tokens=local, positions_into=into)
+    return model
+
+
+def _check_no_plain_attention(model: nn.Module) -> None:
     others = [n or type(m).__name__ for n, m in model.named_modules() if _plain_attention(m)]
     if others:
         raise ParallelError(
             f"{type(model).__name__}'s attention module(s) {others[:4]} have no `{ENTRY_POINT}` entry point, so "
             "under context parallel they would attend only to this rank's tokens: route them through "
-            f"`self.{ENTRY_POINT}(q, k, v, positions)` too"
+            f"`self.{ENTRY_POINT}(q, k, v, positions)` too, or route their F.scaled_dot_product_attention calls "
+            "with context_parallel(model, topo, sdpa=[their names])"
         )
-    attn = ContextAttention(topology, dim, kind, ring_above)
-    for m in attention_modules:
-        setattr(m, ENTRY_POINT, attn)
-    model.register_forward_pre_hook(_require_positions, with_kwargs=True)
-    return model
+
+
+def _check_entry_points(model: nn.Module) -> None:
+    if not any(hasattr(m, ENTRY_POINT) for m in model.modules()):
+        raise ParallelError(
+            f"{type(model).__name__} has no known attention entry point for context parallel: give its attention "
+            f"modules an attribute `{ENTRY_POINT} = None` and, when it is set, call "
+            f"`self.{ENTRY_POINT}(q, k, v, positions)` instead of F.scaled_dot_product_attention (or call "
+            "meshwise.parallel.context.attention yourself), or route its F.scaled_dot_product_attention calls "
+            "as they are: context_parallel(model, topo, sdpa=True) (docs/context.md: third-party models)"
+        )
+    if "positions" not in inspect.signature(model.forward).parameters:
+        raise ParallelError(
+            f"{type(model).__name__}.forward takes no `positions`: under context parallel the model needs the "
+            "global positions of its tokens (position embeddings, the causal mask): add a positions=None argument, "
+            "or take the SDPA road, context_parallel(model, topo, sdpa=True, positions_into=[...])"
+        )
+    _check_no_plain_attention(model)
 
 
 def describe(model: Any) -> str:
