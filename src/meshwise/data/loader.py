@@ -299,9 +299,11 @@ class MeshDataLoader(CursorLoader):
         chunks = [self._reader.tensors(g.numpy(), rows) for g in gathered]
         return {n: torch.cat([c[n] for c in chunks])[:b] for n in self.parts}
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        plan = self.sampler.plan()
+    def _batches(self, token: object) -> Iterator[dict[str, torch.Tensor]]:
+        plan, cursor = self.sampler.plan(), self._cursor()
         for local, (buffer, nbytes) in zip(plan, self._buffers(self._read_items(plan), len(plan))):
+            if not self._may_hand_out(token, cursor):  # before the read strategy's collectives
+                return
             batch = self._share(buffer)
             if self.positions is not None:  # one row per sample, so valid-row selection and micro-batches cut it
                 batch["positions"] = self.positions.expand(len(local), -1)
@@ -309,6 +311,7 @@ class MeshDataLoader(CursorLoader):
             batch["index"] = torch.from_numpy(local.copy())
             self.bytes_read += nbytes
             self.sampler.advance()  # the cursor counts batches handed out, not batches prefetched
+            cursor = self._cursor()
             yield batch
 
     def __repr__(self) -> str:

@@ -359,9 +359,11 @@ class MeshSampleLoader(CursorLoader):
         batch, parts = self._reader.batch(samples, local)
         return batch, parts, got.numel()
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        plan = self.sampler.plan()
+    def _batches(self, token: object) -> Iterator[dict[str, Any]]:
+        plan, cursor = self.sampler.plan(), self._cursor()
         for local, got in zip(plan, self._read(self._items(plan), len(plan))):
+            if not self._may_hand_out(token, cursor):  # before the read strategy's collectives
+                return
             batch, parts, nbytes = self._share(got, local)
             batch = as_fields(batch) if not isinstance(batch, dict) else batch
             positions = _positions(parts, batch)
@@ -372,6 +374,7 @@ class MeshSampleLoader(CursorLoader):
             self.parts = parts
             self.bytes_read += nbytes
             self.sampler.advance()  # the cursor counts batches handed out, not batches prefetched
+            cursor = self._cursor()
             yield batch
 
     def __repr__(self) -> str:

@@ -20,10 +20,16 @@ import torch
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
-__all__ = ["MODES", "READS", "CursorLoader", "MeshSampler"]
+__all__ = ["MODES", "READS", "SUPERSEDED", "CursorLoader", "MeshSampler"]
 
 MODES = ("train", "eval")
 READS = ("each", "broadcast", "scatter")
+# What an iterator says when asked for a batch after a newer iter() of its loader took over the position.
+SUPERSEDED = (
+    "this iterator over a {loader} was superseded: a newer iter() of the same loader continues from the position, "
+    "so this one would hand out batches that the newer one hands out too (or skip them); iterate the newest "
+    "iterator only (a `for` loop or ignite's run() takes a new one each time, which is fine)"
+)
 
 
 class MeshSampler:
@@ -274,6 +280,27 @@ class CursorLoader:
         return as_dtensor(tensor, self.parts[name], self.topology)
 
     # ---- reading
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the cursor on: a new iterator continues where the last batch handed out left it.
+
+        The newest iterator owns the cursor: an older one asked for another batch raises a ``DataError``, and
+        one whose cursor was moved under it (``set_epoch``, ``load_state_dict``) ends.
+        """
+        token = self._owner = object()
+        return self._batches(token)
+
+    def _batches(self, token: object) -> Iterator[Any]:
+        raise NotImplementedError
+
+    def _cursor(self) -> tuple[int, int]:
+        return self.sampler.epoch, self.sampler.consumed
+
+    def _may_hand_out(self, token: object, cursor: tuple[int, int]) -> bool:
+        """Whether iterator ``token``, which left the cursor at ``cursor``, may hand out its next planned batch."""
+        if getattr(self, "_owner", None) is not token:
+            raise DataError(SUPERSEDED.format(loader=type(self).__name__))
+        return self._cursor() == cursor  # else set_epoch/load_state_dict moved it: the next iter() starts there
+
     def _scatter_rows(self) -> int:
         """Rows each replica rank reads under ``read="scatter"``: ``ceil(B / k)``."""
         return -(-self.local_batch_size // self.replica_size)

@@ -50,6 +50,7 @@ from meshwise import compat
 from meshwise.data.collate import as_fields, pad_collate
 from meshwise.data.mapped import _blank, _check_specs, _positions, _SampleReader
 from meshwise.data.parts import FieldPart, as_parts
+from meshwise.data.sampler import SUPERSEDED
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -69,7 +70,7 @@ def _is_hf(dataset: Any) -> bool:
 
 
 class _TorchShare(torch.utils.data.IterableDataset):
-    """Data rank ``rank``'s share of a torch stream from share position ``start``, split over DataLoader workers.
+    """Data rank ``rank``'s share of a torch stream from share position ``start`` (split over DataLoader workers).
 
     Worker ``w`` of ``W`` yields the share's samples ``j >= start`` with ``(j - start) % W == w``; the DataLoader
     asks the workers in turn, one sample each, so the samples arrive in share order. Every worker reads the whole
@@ -194,7 +195,11 @@ class MeshStreamLoader:
         self.epoch = 0
         self._consumed = 0  # samples of this rank's share handed out this epoch
         self._hf_state: dict[str, Any] | None = None  # the HF stream's own state at the last batch handed out
-        self._resume: Any = None  # this rank's saved position, applied at the next __iter__
+        # The open stream of this pass, which sits exactly at the position (None: the next __iter__ opens one
+        # there); the newest iterator owns it; the filler pads a batch whose rows ran out (eval).
+        self._live: Iterator[Any] | None = None
+        self._owner: object = None
+        self._filler: Any = None
         self._ds = self._split()
 
     def _split(self) -> Any:
@@ -208,9 +213,13 @@ class MeshStreamLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from the start of the stream (a HF stream reshuffles by its epoch if shuffled)."""
-        self.epoch, self._consumed, self._hf_state, self._resume = epoch, 0, None, None
-        self._workers = None
+        self.epoch, self._consumed, self._hf_state = epoch, 0, None
+        self._close()
         self._ds = self._split()
+
+    def _close(self) -> None:
+        """Drop the open stream (its workers stop); an iterator still holding it ends, the next opens anew."""
+        self._live, self._workers, self._filler = None, None, None
 
     # ------------------------------------------------------------------ state
 
@@ -263,46 +272,33 @@ class MeshStreamLoader:
                 f"with num_workers={saved}, or start over with set_epoch()"
             )
         self.set_epoch(int(state["epoch"]))
-        self._resume = mine
+        # the position is the saved one at once (a state_dict() before the next batch returns it unchanged)
+        self._consumed, self._hf_state = int(mine["consumed"]), mine.get("hf")
 
     # ------------------------------------------------------------------ reading
 
-    def _stream(self) -> Iterator[Any]:
-        """This rank's share of the stream, from the resume position when there is one."""
-        resume, self._resume = self._resume, None
-        skip = 0
-        if resume is not None:
-            self._consumed = int(resume["consumed"])
-            if not self.hf:
-                skip = self._consumed
+    def _open(self) -> Iterator[Any]:
+        """This rank's share of the stream from the position: the pass's start, or just after the last batch.
+
+        The iterator holds no reference to the loader, so a loader dropped mid-pass is freed at once, its
+        workers with it (in a cycle, the collector could free it inside a later loader's forked worker).
+        """
         if self.hf:
             source = self._ds if self.num_workers == 0 else self._worker_loader(self._ds)
-            if resume is not None and resume["hf"] is not None:
+            if self._hf_state is not None:
                 try:
-                    source.load_state_dict(resume["hf"])
+                    source.load_state_dict(self._hf_state)
                 except Exception as exc:  # the HF state is a nested dict; a mismatch shows up as any error
                     raise DataError(
                         f"the saved stream position does not fit this source ({type(exc).__name__}: {exc}): resume "
                         "with the same files that saved it, or start over with set_epoch()"
                     ) from exc
             self._workers = source if self.num_workers else None
-            yield from source
-            return
-        rank, size = self.topology.data_rank, self.topology.data_size
-        if self.num_workers:
-            yield from self._worker_loader(_TorchShare(self._ds, rank, size, skip))
-            return
-        # Every rank reads the whole stream and keeps every size-th sample from its data rank; a resume replays
-        # (reads and drops) the samples consumed before.
-        seen = 0
-        for i, sample in enumerate(self._ds):
-            if i % size != rank:
-                continue
-            seen += 1
-            if seen > skip:
-                yield sample
-        if seen < skip:
-            raise DataError(_past_end(skip, rank, seen))
+            return iter(source)
+        # Every rank reads the whole stream and keeps every size-th sample from its data rank; a position inside
+        # the pass replays (reads and drops) the samples consumed before it.
+        share = _TorchShare(self._ds, self.topology.data_rank, self.topology.data_size, self._consumed)
+        return iter(self._worker_loader(share) if self.num_workers else share)
 
     def _worker_loader(self, share: Any) -> Any:
         """The share read in ``num_workers`` processes, one sample an item (a StatefulDataLoader for a HF share)."""
@@ -330,51 +326,82 @@ class MeshStreamLoader:
         return int(t.item())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        b = self.local_batch_size
-        stream = self._stream()
-        filler: Any = None
-        done = False
+        """Batches from the position on: a new iterator continues the pass where the last batch left it.
+
+        The pass's stream stays open between iterators (with workers, their prefetched samples too), so a
+        ``break`` and a new ``for`` loop, or ignite's ``run()`` called again, get exactly the next samples. The
+        newest iterator owns the stream: an older one asked for another batch raises a ``DataError``, and one
+        whose position was reset (``set_epoch``, ``load_state_dict``) ends.
+        """
+        token = self._owner = object()
+        return self._batches(token)
+
+    def _batches(self, token: object) -> Iterator[dict[str, Any]]:
+        if self._live is None:
+            self._live = self._open()
+        live = self._live
         while True:
-            samples: list[Any] = []
-            while not done and len(samples) < b:
-                try:
-                    samples.append(next(stream))
-                except StopIteration:
-                    done = True
-            if self.mode == "train":
-                if self._agree(int(len(samples) == b), dist.ReduceOp.MIN) == 0:
-                    break
-            elif self._agree(len(samples), dist.ReduceOp.MAX) == 0:
-                break
-            valid = len(samples)
-            if samples:
-                filler = samples[0]
-            if filler is None:
-                raise DataError(
-                    "this data rank's share of the stream is empty while others have samples: give the stream at "
-                    "least one sample per data rank (more shard files, or a longer stream)"
-                )
-            # Padded rows repeat a real sample so the collate sees full-size shapes; they are blanked below.
-            batch = self.collate_fn(samples + [filler] * (b - valid))
-            batch = as_fields(batch) if not isinstance(batch, dict) else batch
-            if valid < b:
-                _blank(batch, valid, b)
-            if self.specs:  # this rank's part of each field named in parts, and the positions of balanced ones
-                batch, self.parts = self._cutter.cut(batch)
-                positions = _positions(self.parts, batch)
-                if positions is not None:
-                    batch["positions"] = positions.expand(b, -1)
-            index = torch.full((b,), -1, dtype=torch.int64)
-            index[:valid] = torch.arange(self._consumed, self._consumed + valid)
-            batch["valid"] = index >= 0
-            batch["index"] = index
-            self._consumed += valid
-            if self.hf:  # the position after exactly the samples handed out (workers: each worker's)
-                self._hf_state = (self._ds if self._workers is None else self._workers).state_dict()
+            if self._owner is not token:
+                raise DataError(SUPERSEDED.format(loader="MeshStreamLoader"))
+            if self._live is not live:  # set_epoch or load_state_dict moved the position: the next iter() has it
+                return
+            try:
+                batch = self._next_batch(live)
+            except GeneratorExit:
+                raise
+            except BaseException:
+                # A batch failed half-read: drop the stream, so the next iter() reopens it at the position (the
+                # samples read for this batch are read again; none of them was handed out).
+                if self._live is live:
+                    self._close()
+                raise
+            if batch is None:  # the pass is over: the next iter() reads the stream again from its start
+                self._consumed, self._hf_state = 0, None
+                self._close()
+                self._ds = self._split()
+                return
             yield batch
-        # The epoch is over: the next __iter__ reads the stream again from its start.
-        self._consumed, self._hf_state, self._workers = 0, None, None
-        self._ds = self._split()
+
+    def _next_batch(self, stream: Iterator[Any]) -> dict[str, Any] | None:
+        """The next batch of the pass, the position moved past it; ``None`` when the batch ranks agree it is over."""
+        b = self.local_batch_size
+        samples: list[Any] = []
+        while len(samples) < b:
+            try:
+                samples.append(next(stream))
+            except StopIteration:  # an exhausted generator keeps raising it: a later call pads (eval) or stops
+                break
+        if self.mode == "train":
+            if self._agree(int(len(samples) == b), dist.ReduceOp.MIN) == 0:
+                return None
+        elif self._agree(len(samples), dist.ReduceOp.MAX) == 0:
+            return None
+        valid = len(samples)
+        if samples:
+            self._filler = samples[0]
+        if self._filler is None:
+            raise DataError(
+                "this data rank's share of the stream is empty while others have samples: give the stream at "
+                "least one sample per data rank (more shard files, or a longer stream)"
+            )
+        # Padded rows repeat a real sample so the collate sees full-size shapes; they are blanked below.
+        batch = self.collate_fn(samples + [self._filler] * (b - valid))
+        batch = as_fields(batch) if not isinstance(batch, dict) else batch
+        if valid < b:
+            _blank(batch, valid, b)
+        if self.specs:  # this rank's part of each field named in parts, and the positions of balanced ones
+            batch, self.parts = self._cutter.cut(batch)
+            positions = _positions(self.parts, batch)
+            if positions is not None:
+                batch["positions"] = positions.expand(b, -1)
+        index = torch.full((b,), -1, dtype=torch.int64)
+        index[:valid] = torch.arange(self._consumed, self._consumed + valid)
+        batch["valid"] = index >= 0
+        batch["index"] = index
+        self._consumed += valid
+        if self.hf:  # the position after exactly the samples handed out (workers: each worker's)
+            self._hf_state = (self._ds if self._workers is None else self._workers).state_dict()
+        return batch
 
     def __repr__(self) -> str:
         return (
