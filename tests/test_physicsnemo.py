@@ -182,7 +182,8 @@ def test_bad_inputs_in_process() -> None:
 
 def test_example_trains_the_same_on_4_processes_as_on_one(tmp_path) -> None:
     """examples/physicsnemo/train.py as a user runs it: meshwise run on 4 ranks (data_parallel=1 x
-    model_parallel=4, tiles of 8, 8, 8 and 6 columns) and plain python on one; the float64 losses agree."""
+    model_parallel=4, tiles of 8, 8, 8 and 6 columns) on both routes (meshwise's halo exchange, PhysicsNeMo's
+    ShardTensor convs) and plain python on one; the float64 losses agree."""
     import sys
     from concurrent.futures import ThreadPoolExecutor
     from pathlib import Path
@@ -192,13 +193,19 @@ def test_example_trains_the_same_on_4_processes_as_on_one(tmp_path) -> None:
     root = Path(__file__).resolve().parents[1]
     script = str(root / "examples" / "physicsnemo" / "train.py")
     meshwise_bin = str(Path(sys.executable).parent / "meshwise")
-    four = [meshwise_bin, "run", "--nproc-per-node", "4", script, "--model-parallel", "4", "--out", str(tmp_path / "a")]
-    one = [sys.executable, script, "--out", str(tmp_path / "b")]
-    with ThreadPoolExecutor(2) as pool:  # side by side: most of each run is imports, not compute
-        runs = list(pool.map(lambda cmd: run_command(cmd, timeout=150, cwd=str(root)), (four, one)))
+    four = [meshwise_bin, "run", "--nproc-per-node", "4", script, "--model-parallel", "4"]
+    runs_of = {
+        "halo": [*four, "--out", str(tmp_path / "a")],
+        "shard": [*four, "--route", "shard", "--out", str(tmp_path / "c")],
+        "one": [sys.executable, script, "--out", str(tmp_path / "b")],
+    }
+    with ThreadPoolExecutor(3) as pool:  # side by side: most of each run is imports, not compute
+        runs = dict(zip(runs_of, pool.map(lambda cmd: run_command(cmd, timeout=240, cwd=str(root)), runs_of.values())))
 
     def final(out: str) -> float:
         return float([line for line in out.splitlines() if line.startswith("final loss ")][-1].split()[-1])
 
-    assert "data_parallel=1 x model_parallel=4 (world 4)" in runs[0].stdout, runs[0].stdout
-    assert abs(final(runs[0].stdout) - final(runs[1].stdout)) <= 1e-12, (runs[0].stdout, runs[1].stdout)
+    for route in ("halo", "shard"):
+        out = runs[route].stdout
+        assert "data_parallel=1 x model_parallel=4 (world 4); " in out and f"route {route}" in out, out
+        assert abs(final(out) - final(runs["one"].stdout)) <= 1e-12, (route, out, runs["one"].stdout)

@@ -1,6 +1,6 @@
 """PhysicsNeMo interop: adopt DistributedManager's mesh as the topology and convert loaded tiles to/from ShardTensor.
 
-Four calls, each checked, never assumed (docs/physicsnemo.md):
+Each call checked, never assumed (docs/physicsnemo.md):
 
 * :func:`initialize_manager` starts ``DistributedManager`` on CPU too (its own ``initialize()`` passes
   ``device_id=cpu`` to ``init_process_group``, which torch rejects with a ``ValueError`` it does not catch);
@@ -10,7 +10,10 @@ Four calls, each checked, never assumed (docs/physicsnemo.md):
   parts (uneven, halo stripped) into a ``ShardTensor`` with explicit uneven ``sharding_shapes``, and back,
   without communication;
 * :func:`require_shard_ops` refuses to go on when PhysicsNeMo's ShardTensor op patches are off (CPU), where a
-  conv on a ShardTensor would silently skip the halo.
+  conv on a ShardTensor would silently skip the halo; :func:`register_shard_ops` registers them, on CPU too, with
+  exact mean losses (``F.mse_loss``, ...) on uneven ShardTensors;
+* :func:`share_gradients` (called by ``parallelize`` through its hook) turns PhysicsNeMo's gradient sums over the
+  split dims into this rank's share, so its ShardTensor route and meshwise's halo route train like one process.
 """
 
 from __future__ import annotations
@@ -21,13 +24,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshwise import compat
 from meshwise.data.parts import FieldPart, chunk_bounds
 from meshwise.errors import DataError, ParallelError, TopologyError
 from meshwise.topology import Topology, current, init
 
-__all__ = ["adopt", "from_shard_tensor", "initialize_manager", "require_shard_ops", "to_shard_tensor"]
+__all__ = [
+    "adopt",
+    "from_shard_tensor",
+    "initialize_manager",
+    "register_shard_ops",
+    "require_shard_ops",
+    "share_gradients",
+    "share_reductions",
+    "to_shard_tensor",
+]
 
 
 def _manager_class() -> Any:
@@ -106,6 +119,7 @@ def adopt(
     own = _manager_mesh(manager)
     topology = current()
     if topology is not None:
+        _register_losses()
         return _give_mesh(manager, topology, own, mesh)
     if own is None:
         if mesh is None:
@@ -124,6 +138,7 @@ def adopt(
         hint = "With PhysicsNeMo (model_parallel = domain parallel): meshwise.physicsnemo.adopt(roles=ROLES)"
         raise TopologyError(f"{exc}. {hint.replace('ROLES', repr({'model_parallel': 'split'}))}") from None
     _check_agreement(manager, topology, own)
+    _register_losses()  # F.mse_loss & co. on uneven ShardTensors: exact, whoever registered PhysicsNeMo's ops
     return topology
 
 
@@ -240,6 +255,7 @@ def to_shard_tensor(
             f"{list(batch_field.shape)}: pass the tensor the loader yielded for this field"
         )
     mesh, placements, shapes, _ = _layout(part, topology, local.shape[0])
+    _register_losses()
     return ShardTensor.from_local(local, mesh, placements, sharding_shapes=shapes)
 
 
@@ -304,6 +320,260 @@ def require_shard_ops() -> None:
         raise ParallelError(
             "PhysicsNeMo's ShardTensor op patches are not registered (it registers them only when CUDA is "
             "available): a conv on a ShardTensor would skip the halo and return wrong values. Call "
-            "physicsnemo.domain_parallel.register_custom_ops() first (it imports PhysicsNeMo's optional deps, "
-            "e.g. termcolor and timm), or compute on the local tiles with meshwise.parallel.halo_exchange"
+            "meshwise.physicsnemo.register_shard_ops() first (PhysicsNeMo's register_custom_ops(), which on a CPU "
+            "build of torch stops at timm), or compute on the local tiles with meshwise.parallel.halo_exchange"
         )
+
+
+# --------------------------------------------------------------------------- PhysicsNeMo's ops, exact losses
+
+# Losses whose reduction="none" result has the input's shape: made exact on ShardTensors (a sum over every
+# cell of the group divided by the global count). PhysicsNeMo's own dispatch averages the tiles' means.
+_ELEMENTWISE_LOSSES = (
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+)
+# Losses with a class dim, weights or ignored targets: their mean is not a plain cell mean; refused on ShardTensors.
+_REFUSED_LOSSES = ("cross_entropy", "nll_loss", "kl_div", "poisson_nll_loss", "gaussian_nll_loss", "soft_margin_loss")
+_EXACT_FORM = (
+    "compute it as ((o - t) ** 2).mean() on the ShardTensors (exact over uneven tiles), or on this rank's tiles "
+    "(o.to_local()) with reduction='none', summed and divided by the global count; for a metric use "
+    "meshwise.metrics.MeshMetric on the tiles"
+)
+
+
+def register_shard_ops() -> list[str]:
+    """Register PhysicsNeMo's ShardTensor op patches (also on CPU) and meshwise's exact mean losses.
+
+    First ``physicsnemo.domain_parallel.register_custom_ops()``. Where it stops at an import (on a CPU build of
+    torch its kNN patch needs ``physicsnemo.nn`` -> timm -> torchvision, which cannot load: docs/physicsnemo.md),
+    each of PhysicsNeMo's patch modules is imported on its own, which registers its ops as
+    ``register_custom_ops()`` would; the ones that cannot load are returned (``"knn (...)"``). Then
+    ``F.mse_loss``, ``F.l1_loss``, ``F.smooth_l1_loss``, ``F.huber_loss`` and the two binary cross entropies on
+    ShardTensors compute the exact mean over every cell (PhysicsNeMo's dispatch averages the tiles' means,
+    wrong for uneven tiles), and ``F.cross_entropy``, ``F.nll_loss``, ``F.kl_div``, ... raise ``ParallelError``.
+    """
+    import importlib
+    import pkgutil
+
+    from physicsnemo.domain_parallel import register_custom_ops
+
+    skipped: list[str] = []
+    try:
+        register_custom_ops()
+    except ImportError:
+        from physicsnemo.domain_parallel import shard_utils
+
+        names = ["physicsnemo.domain_parallel.custom_ops"]
+        names += [f"{shard_utils.__name__}.{m.name}" for m in pkgutil.iter_modules(shard_utils.__path__)]
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                skipped.append(f"{name.rsplit('.', 1)[-1]} ({exc})")
+    _register_losses()
+    try:
+        require_shard_ops()
+    except ParallelError:
+        raise ParallelError(
+            f"PhysicsNeMo's ShardTensor patches did not load ({'; '.join(skipped)}): pip install "
+            "'meshwise[physicsnemo]' (termcolor, nvtx, omegaconf, ...; see docs/physicsnemo.md)"
+        ) from None
+    return skipped
+
+
+_LOSSES_REGISTERED = []
+
+
+def _register_losses() -> None:
+    """meshwise's loss handlers on ShardTensor, once a process (also from adopt and to_shard_tensor)."""
+    import torch.nn.functional as F
+    from physicsnemo.domain_parallel import ShardTensor
+
+    if _LOSSES_REGISTERED:
+        return
+    _LOSSES_REGISTERED.append(True)
+    for name in _ELEMENTWISE_LOSSES:
+        ShardTensor.register_function_handler(getattr(F, name), _exact_loss)
+    for name in _REFUSED_LOSSES:
+        ShardTensor.register_function_handler(getattr(F, name), _refused_loss)
+
+
+def _bind(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
+    import inspect
+
+    bound = inspect.signature(func).bind(*args, **(kwargs or {}))
+    return dict(bound.arguments)
+
+
+def _exact_loss(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(input, target, reduction=...)`` on ShardTensors: per cell on each tile, then an exact global reduction."""
+    import math
+
+    from physicsnemo.domain_parallel import ShardTensor
+
+    bound = _bind(func, args, kwargs)
+    name = func.__name__
+    x, t = bound.pop("input"), bound.pop("target")
+    if bound.pop("size_average", None) is not None or bound.pop("reduce", None) is not None:
+        raise ParallelError(f"F.{name} on ShardTensors: pass reduction= instead of the deprecated size_average/reduce")
+    reduction = bound.pop("reduction", "mean")
+    spec_x, spec_t = compat.shard_spec(x), compat.shard_spec(t)
+    if not (isinstance(x, ShardTensor) and isinstance(t, ShardTensor)):
+        raise ParallelError(
+            f"F.{name} got a {type(x).__name__} and a {type(t).__name__}: a ShardTensor holds the whole field and a "
+            "plain tensor only this rank's tile, so the mean would mix them. Pass both as ShardTensors "
+            "(meshwise.physicsnemo.to_shard_tensor), or both as this rank's tiles (output.to_local()); under "
+            "create_trainer return output.to_local() from forward= (docs/physicsnemo.md)"
+        )
+    shapes_x = compat.stored_sharding_shapes(spec_x)
+    if (
+        tuple(x.placements) != tuple(t.placements)
+        or tuple(x.shape) != tuple(t.shape)
+        or shapes_x != (compat.stored_sharding_shapes(spec_t))
+    ):
+        raise ParallelError(
+            f"F.{name} on ShardTensors with different shapes or shardings ({tuple(x.shape)} {tuple(x.placements)} "
+            f"vs {tuple(t.shape)} {tuple(t.placements)}): redistribute the target like the output"
+        )
+    local = func(x.to_local(), t.to_local(), reduction="none", **bound)
+    per_cell = ShardTensor.from_local(local, x.device_mesh, x.placements, sharding_shapes=shapes_x)
+    if reduction == "none":
+        return per_cell
+    total = per_cell.sum()
+    if reduction == "sum":
+        return total
+    if reduction != "mean":
+        raise ParallelError(f"F.{name}: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    return total / math.prod(x.shape)  # the global count, a Python number: no float32 factor in backward
+
+
+def _refused_loss(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+    raise ParallelError(
+        f"F.{func.__name__} on ShardTensors: PhysicsNeMo's dispatch averages each tile's mean, which is not the mean "
+        f"over the field when tiles (or their ignored targets) differ in size: {_EXACT_FORM}"
+    )
+
+
+# --------------------------------------------------------------------------- gradients of the split dims
+
+_SHARED = "meshwise_share"  # marks a PhysicsNeMo reduction node already turned into a mean
+
+
+def share_gradients(model: nn.Module, topology: Topology | None = None) -> nn.Module:
+    """Make every gradient a split rank computes for ``model`` its own share, as meshwise's data parallel expects.
+
+    PhysicsNeMo's ShardTensor ops (conv, linear, attention, ...) sum a replicated tensor's gradient over the
+    mesh dims its input is sharded on (``GradReducer``), so every ``model_parallel`` rank holds the whole sum;
+    meshwise's halo route leaves each rank its part, and meshwise's data parallel (``parallelize``: mean over
+    the batch *and* split dims, the trainer scaling by their size) adds the parts. Reduced again, PhysicsNeMo's
+    sums count each part once per split rank (5.6e-2 off at model_parallel=2, 1.6 at 4). After each forward
+    this walks the output's autograd graph and turns each such sum into a mean over the same ranks; the data
+    parallel mean then gives the sum once, for any mix of the two routes in one model, even in one parameter.
+    ``parallelize`` calls it on a mesh with a split dim; call it yourself for a loop that all-reduces the
+    gradients over the world (sum) with a loss over the global count. Not for PhysicsNeMo's own recipe
+    (DDP over data_parallel only), which relies on the sums. Refuses ShardTensor parameters (``ParallelError``).
+    Returns ``model``.
+    """
+    from meshwise.topology import resolve
+
+    topology = resolve(topology)
+    _refuse_sharded_parameters(model)
+    if not getattr(model, _SHARED, False):
+
+        def after_forward(module: nn.Module, args: Any, output: Any) -> None:  # None: the output is kept
+            share_reductions(output, topology)
+
+        model.register_forward_hook(after_forward)
+        setattr(model, _SHARED, True)
+    return model
+
+
+def _refuse_sharded_parameters(model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if compat.shard_spec(p) is not None and not isinstance(p, DTensor):
+            raise ParallelError(
+                f"parameter {name!r} is a ShardTensor: meshwise's data parallel needs plain parameters, the same on "
+                "every rank (PhysicsNeMo's own hybrid recipe keeps weights plain: sync_module_over_mesh). Build the "
+                "model with plain tensors and give it ShardTensor inputs"
+            )
+
+
+def share_reductions(output: Any, topology: Topology) -> int:
+    """Turn PhysicsNeMo's gradient sums in ``output``'s autograd graph into means; how many were found.
+
+    A node of PhysicsNeMo's ``GradReducer`` carries the spec of the sharded tensor (``ref_spec``) whose mesh
+    dims it sums over; each must be a split dim of ``topology`` with the same ranks, else ``ParallelError``.
+    """
+    stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+    seen: set[int] = set()
+    found = 0
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        spec = getattr(node, "ref_spec", None)
+        if spec is not None and type(node).__name__ == "GradReducerBackward":
+            found += 1
+            if not getattr(node, _SHARED, False):
+                node.register_hook(_mean_over(_reduced_size(spec, topology)))
+                setattr(node, _SHARED, True)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _mean_over(size: int) -> Any:
+    def hook(grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        return tuple(None if g is None else g / size for g in grad_inputs)
+
+    return hook
+
+
+def _reduced_size(spec: Any, topology: Topology) -> int:
+    mesh, size = spec.mesh, 1
+    names = mesh.mesh_dim_names or ()
+    for i, placement in enumerate(spec.placements):
+        if not placement.is_shard():
+            continue
+        name = names[i] if i < len(names) else f"#{i}"
+        ranks = dist.get_process_group_ranks(mesh.get_group(i))
+        if name not in topology.split_dims or ranks != topology.group_ranks(name):
+            raise ParallelError(
+                f"a PhysicsNeMo op sums gradients over mesh dim {name!r} (ranks {ranks}), which is not a split dim "
+                f"of the meshwise topology ({topology.layout.dims_text()}): shard ShardTensors only over the split "
+                "dims of the adopted mesh (topology.mesh['model_parallel']), so meshwise's data parallel can add "
+                "the shares"
+            )
+        size *= mesh.size(i)
+    return size
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _on_parallelize(model: nn.Module, topology: Topology) -> None:
+    if topology.split_dims and topology.size(topology.split_dims) > 1:
+        share_gradients(model, topology)
+
+
+def _register_hooks() -> None:
+    from meshwise.parallel.apply import on_parallelize
+
+    on_parallelize(_on_parallelize)
+
+
+_register_hooks()
