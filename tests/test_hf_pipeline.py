@@ -260,9 +260,11 @@ def test_bad_cuts_raise_naming_the_valid_paths(cut, stages, match):
         stage_cuts(llama(), stages, cut)
 
 
-def test_tied_embeddings_refuse_a_cut():
-    from meshwise.errors import ParallelError
+def test_tied_embeddings_are_found_at_the_cut():
+    # trained at pp=2 equal to one process in tests/test_pipeline_tied.py
     from meshwise.parallel.pipeline import stage_cuts
+    from meshwise.parallel.pipeline_shared import find_shared
 
-    with pytest.raises(ParallelError, match="tie_word_embeddings=False"):
-        stage_cuts(llama(tie=True), 2)
+    model = llama(tie=True)
+    shared = find_shared(model, stage_cuts(model, 2))
+    assert [e.names for e in shared] == [((0, "model.embed_tokens.weight"), (1, "lm_head.weight"))]

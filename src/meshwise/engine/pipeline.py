@@ -136,9 +136,12 @@ class PipelineTrainStep(TrainStep):
                 ]
             # the schedule splits this like the inputs: each micro-batch's loss learns which rows it has
             target = torch.arange(rows, device=topo.device)
-        schedule = pipe.schedule(rows, self._stage_loss)
+        # every stage learns the input's shape (batches padded to a length of their own build their own stages)
+        schedule = pipe.schedule(rows, self._stage_loss, pipe.agree_input(args[0] if args else None))
         with self.step_context():
             schedule.step(*args, target=target, return_outputs=False)
+        if last:  # a parameter several stages hold (a tied embedding and head) gets the sum of their gradients
+            pipe.sum_shared_grads()
         if not pipe.is_last or not any(self._counts):
             return 0.0, None
         weighted = [self._losses[i] * c for i, c in enumerate(self._counts) if c]
@@ -214,7 +217,7 @@ class PipelineEvalStep:
             rows = row_count(batch, self.input_key)
             args = (stage_input(batch, self.input_key, pipe, "input"),) if pipe.is_first else ()
             with torch.no_grad():
-                output = pipe.schedule(rows, None).step(*args)
+                output = pipe.schedule(rows, None, pipe.agree_input(args[0] if args else None)).step(*args)
                 if pipe.is_last:
                     output = full_tensors(output)
                     self.metrics.update(output, batch, self.select)

@@ -17,44 +17,54 @@ from meshwise.parallel.hf import is_hf_model
 __all__ = ["HFDecoderStage", "hf_decoder_parts", "hf_default_cuts", "hf_stage", "hf_units"]
 
 
-def _part_names(model: nn.Module) -> tuple[str, str, str, str, str] | None:
-    """(base prefix, embeddings, layers, norm, head) of a decoder-only model, or None if it is not one.
+Parts = tuple[str, tuple[str, ...], str, tuple[str, ...], str]
 
-    The names come from ``config.base_model_pp_plan`` (transformers' pipeline plan: embed, layers, norm, in
-    order) and the class's ``_pp_plan`` (the head), so a model that names its pieces differently still cuts.
+
+def _part_names(model: nn.Module) -> Parts | None:
+    """(base prefix, pieces before the layers, layers, pieces after them, head) of a decoder-only model, or None.
+
+    The names come from ``config.base_model_pp_plan`` (transformers' pipeline plan, in order: the embeddings and
+    what follows them, e.g. GPT-NeoX's ``emb_dropout``; the layer list; the final norm and what follows it) and
+    the class's ``_pp_plan`` (the head), so a model that names its pieces differently still cuts.
     """
     if not is_hf_model(model):
         return None
     prefix = model.base_model_prefix
     base = getattr(model, prefix, None) if prefix else None
-    plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
+    plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
     heads = list(compat.hf_class_pp_plan(type(model)))
-    if not isinstance(base, nn.Module) or base is model or len(plan) != 3 or len(heads) != 1:
+    if not isinstance(base, nn.Module) or base is model or len(heads) != 1:
         return None
-    embed, layers, norm = plan
-    if not isinstance(getattr(base, layers, None), nn.ModuleList):
+    lists = [k for k, name in enumerate(plan) if isinstance(getattr(base, name, None), nn.ModuleList)]
+    if len(lists) != 1 or lists[0] == 0 or not all(isinstance(getattr(base, n, None), nn.Module) for n in plan):
         return None
-    return prefix, embed, layers, norm, heads[0]
+    k = lists[0]
+    return prefix, tuple(plan[:k]), plan[k], tuple(plan[k + 1 :]), heads[0]
 
 
-def hf_decoder_parts(model: nn.Module) -> tuple[str, str, str, str, str] | None:
-    """:func:`_part_names` of ``model``; a model whose pieces a stage cannot hold apart raises."""
+def hf_decoder_parts(model: nn.Module) -> Parts | None:
+    """:func:`_part_names` of ``model``: None for a model not from transformers; a transformers model whose
+    pieces meshwise cannot lay out as a decoder raises (its own forward calls every piece, so no stage of it
+    could run)."""
     parts = _part_names(model)
-    if parts is not None and getattr(model.config, "tie_word_embeddings", False):
-        prefix, embed, _, _, head = parts
+    if parts is None and is_hf_model(model):
+        plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
         raise ParallelError(
-            f"{type(model).__name__} ties {head}.weight to {prefix}.{embed}.weight, but pipeline stages put the "
-            "embeddings on the first stage and the head on the last, so the tied weight would split into two "
-            "copies: build the model with tie_word_embeddings=False (config) to cut it into stages"
+            f"{type(model).__name__} is a transformers model whose pipeline plan meshwise cannot follow "
+            f"(config.base_model_pp_plan={list(plan)}, head plan {list(compat.hf_class_pp_plan(type(model)))}; "
+            "meshwise needs embeddings, one layer list, a norm and one head): its own forward calls every piece, "
+            "so a stage holding some of them would fail ('NoneType' object is not callable). Train it without a "
+            "pp dim (dp, tp, cp), or wrap its pieces in a model whose forward skips the pieces a stage does not "
+            "hold (docs/pipeline.md)"
         )
     return parts
 
 
 def hf_units(model: nn.Module) -> list[str]:
     """The pieces of a decoder-only model a cut may separate, in order (``model.layers.k`` one per layer)."""
-    prefix, embed, layers, norm, head = hf_decoder_parts(model)  # type: ignore[misc]
+    prefix, pre, layers, post, head = hf_decoder_parts(model)  # type: ignore[misc]
     blocks = [f"{prefix}.{layers}.{k}" for k, _ in getattr(model, prefix).get_submodule(layers).named_children()]
-    return [f"{prefix}.{embed}", *blocks, f"{prefix}.{norm}", head]
+    return [*(f"{prefix}.{n}" for n in pre), *blocks, *(f"{prefix}.{n}" for n in post), head]
 
 
 def hf_default_cuts(model: nn.Module, stages: int) -> list[str]:
@@ -74,19 +84,21 @@ class HFDecoderStage(nn.Module):
 
     ``forward`` takes input ids on the first stage (hidden states on the others) and returns hidden states,
     or logits on the last stage. Every stage recomputes the rotary position embeddings from the positions
-    ``0 .. T-1`` (cheap, and nothing but hidden states travels between stages) and the causal mask.
+    ``0 .. T-1`` (cheap, and nothing but hidden states travels between stages) and the causal mask. A parameter
+    tied across stages (``tie_word_embeddings=True``) is a copy on each: the trainer sums its gradients
+    (:mod:`meshwise.parallel.pipeline_shared`).
     """
 
-    def __init__(self, model: nn.Module, keep: set[str], parts: tuple[str, str, str, str, str]) -> None:
+    def __init__(self, model: nn.Module, keep: set[str], parts: Parts) -> None:
         super().__init__()
-        prefix, embed, layers, norm, head = parts
+        prefix, pre, layers, post, head = parts
         self.parts = parts
         stage = copy.deepcopy(model)
         base = getattr(stage, prefix)
         block_list = base.get_submodule(layers)
         for key in [k for k, _ in block_list.named_children() if f"{prefix}.{layers}.{k}" not in keep]:
             delattr(block_list, key)  # del list[i] would renumber the layers that follow (and their names)
-        for name in (embed, norm):
+        for name in (*pre, *post):
             if f"{prefix}.{name}" not in keep:
                 setattr(base, name, None)
         # children under the full model's names: parameters read as "model.layers.2.mlp.up_proj.weight"
@@ -95,7 +107,7 @@ class HFDecoderStage(nn.Module):
 
     def pieces(self) -> list[tuple[str, nn.Module]]:
         """(full name, module) of each piece this stage holds, rotary embeddings included."""
-        prefix, embed, layers, norm, head = self.parts
+        prefix, _, layers, _, head = self.parts
         base = getattr(self, prefix)
         out = [(f"{prefix}.{n}", m) for n, m in base.named_children() if m is not None and n != layers]
         out += [(f"{prefix}.{layers}.{k}", m) for k, m in base.get_submodule(layers).named_children()]
@@ -106,9 +118,12 @@ class HFDecoderStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        prefix, embed, layers, norm, head = self.parts
+        prefix, pre, layers, post, head = self.parts
         base = getattr(self, prefix)
-        hidden = getattr(base, embed)(x) if getattr(base, embed) is not None else x
+        hidden = x
+        for name in pre:  # the embeddings take ids, what follows them (dropout) hidden states
+            if getattr(base, name) is not None:
+                hidden = getattr(base, name)(hidden)
         rows, length = hidden.shape[:2]
         positions = torch.arange(length, device=hidden.device).unsqueeze(0).expand(rows, -1)
         mask = create_causal_mask(
@@ -118,8 +133,9 @@ class HFDecoderStage(nn.Module):
         kw: dict[str, Any] = {"attention_mask": mask, "position_ids": positions, "position_embeddings": rope}
         for layer in base.get_submodule(layers):
             hidden = layer(hidden, **kw)
-        if getattr(base, norm) is not None:
-            hidden = getattr(base, norm)(hidden)
+        for name in post:
+            if getattr(base, name) is not None:
+                hidden = getattr(base, name)(hidden)
         return hidden if getattr(self, head) is None else getattr(self, head)(hidden)
 
 

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from meshwise.errors import ParallelError
+from meshwise.parallel.pipeline_probe import agree_input, meta_copy, probe_stages
+from meshwise.parallel.pipeline_shared import SharedParameter, check_shared, find_shared, sum_shared_grads
 from meshwise.topology import Topology
 
 __all__ = [
@@ -77,73 +79,138 @@ def check_microbatches(microbatches: int, rows: int, schedule: str, ranks: int, 
 # --------------------------------------------------------------------------- cutting a model into stages
 
 
-def pipeline_units(model: nn.Module) -> list[str]:
-    """The pieces a cut may separate, in order: the model's children, containers (``ModuleList``,
-    ``ModuleDict``, ``Sequential``) opened one level (``"blocks.0"``, ``"blocks.1"``, ...). A Hugging Face
-    decoder-only model cuts inside its base model instead: ``model.embed_tokens``, ``model.layers.0`` ...,
+def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``'s children in order, a module registered under two names listed under both (``named_children``
+    lists it once), ``None`` entries left out."""
+    return [(n, m) for n, m in module.named_modules(remove_duplicate=False) if n and "." not in n]
+
+
+def _ancestors(names: Sequence[str]) -> set[str]:
+    """Every proper ancestor path of each dotted name (``"a.b.c"`` gives ``"a"`` and ``"a.b"``)."""
+    out: set[str] = set()
+    for name in names:
+        parts = name.split(".")
+        out.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return out
+
+
+def pipeline_units(model: nn.Module, cut: Sequence[str] | None = None) -> list[str]:
+    """The pieces a cut may separate, in model order: the model's children, every container (``ModuleList``,
+    ``ModuleDict``, ``Sequential``) opened at any depth (``"transformer.h.0"``, ``"transformer.h.1"``, ...), and
+    every module on the path to a name in ``cut`` opened too, so a cut may name any submodule path. A Hugging
+    Face decoder-only model cuts inside its base model instead: ``model.embed_tokens``, ``model.layers.0`` ...,
     ``model.norm``, ``lm_head`` (:mod:`meshwise.parallel.hf_pipeline`)."""
     from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_units
 
     if hf_decoder_parts(model) is not None:
         return hf_units(model)
-    units = []
-    for name, child in model.named_children():
-        if isinstance(child, _CONTAINERS) and len(child):
-            units.extend(f"{name}.{key}" for key, _ in child.named_children())
-        else:
-            units.append(name)
+    opened = _ancestors([c for c in cut or () if isinstance(c, str)])
+    units: list[str] = []
+
+    def walk(module: nn.Module, prefix: str) -> None:
+        for name, child in _children(module):
+            path = prefix + name
+            if (isinstance(child, _CONTAINERS) and len(child)) or path in opened:
+                walk(child, path + ".")
+            else:
+                units.append(path)
+
+    walk(model, "")
     return units
 
 
+def _opened_modules(model: nn.Module, units: list[str]) -> list[tuple[str, nn.Module]]:
+    """(path, module) of the root and of every module opened into pieces (the ancestors of the units)."""
+    return [("", model), *((p, model.get_submodule(p)) for p in sorted(_ancestors(units), key=_units_order(units)))]
+
+
+def _units_order(units: list[str]) -> Callable[[str], int]:
+    """A sort key putting a path where its first piece stands in ``units``."""
+    return lambda path: next(i for i, u in enumerate(units) if u == path or u.startswith(path + "."))
+
+
 def _default_cuts(model: nn.Module, units: list[str], stages: int) -> list[str]:
-    """Cut the model's largest container of blocks into equal runs; what comes before and after goes to the ends."""
-    containers = [(len(c), n) for n, c in model.named_children() if isinstance(c, _CONTAINERS) and len(c)]
+    """Cut the model's largest container of blocks (at any depth) into equal runs of blocks; what comes before
+    and after goes to the first and last stage."""
+    containers = [  # blocks: a list of one class (not a ModuleDict of an embedding, a norm, ...), the longest first
+        (len({type(c) for _, c in _children(m)}) == 1, len(m), -_units_order(units)(p), p)
+        for p, m in _opened_modules(model, units)
+        if p and isinstance(m, _CONTAINERS) and len(m)
+    ]
     if isinstance(model, nn.Sequential) or not containers:
         blocks = units
     else:
-        name = max(containers)[1]
-        blocks = [u for u in units if u.split(".")[0] == name]
+        path = max(containers)[3]
+        blocks = [f"{path}.{name}" for name, _ in _children(model.get_submodule(path))]
     if stages > len(blocks):
         raise ParallelError(
             f"{stages} pipeline stages but the model has {len(blocks)} blocks to share out ({blocks[:4]}...): "
             "use fewer stages (a smaller pp, or fewer stages_per_rank) or a model with more blocks"
         )
-    return [blocks[i * len(blocks) // stages] for i in range(1, stages)]
+    starts = [blocks[i * len(blocks) // stages] for i in range(1, stages)]
+    return [next(u for u in units if u == s or u.startswith(s + ".")) for s in starts]
+
+
+def _bad_cut(model: nn.Module, name: str, units: list[str]) -> ParallelError:
+    """The error for a cut naming no submodule: the valid paths at the depth where the name goes wrong."""
+    parts, node, depth = name.split("."), model, 0
+    while depth < len(parts) - 1:
+        child = dict(_children(node)).get(parts[depth])
+        if child is None:
+            break
+        node, depth = child, depth + 1
+    prefix = ".".join(parts[:depth])
+    here = [f"{prefix}.{n}" if prefix else n for n, _ in _children(node)]
+    where = f"under {prefix!r}" if prefix else f"of {type(model).__name__}"
+    return ParallelError(
+        f"cut names {name!r}, which is not a submodule a stage can start at: the submodules {where} are {here}; "
+        f"a cut may name any submodule path, in model order (pipeline_units(model) lists the default pieces: "
+        f"{units})"
+    )
 
 
 def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[list[str]]:
     """The units (:func:`pipeline_units`) of each of ``stages`` stages.
 
-    ``cut`` names the unit each stage after the first starts at (``stages - 1`` names, in model order),
-    or is a function ``(units, stages) -> those names``; None cuts the largest block container evenly.
+    ``cut`` names the submodule each stage after the first starts at (``stages - 1`` dotted paths at any depth,
+    in model order; a container's path starts at its first item), or is a function ``(units, stages) -> those
+    names``; None cuts the largest block container evenly.
     """
-    units = pipeline_units(model)
-    if len(units) < stages:
-        raise ParallelError(
-            f"{stages} pipeline stages but {type(model).__name__} has only {len(units)} pieces to cut ({units}): "
-            "use fewer stages (a smaller pp, or fewer stages_per_rank) or split the model into more blocks"
-        )
     from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_default_cuts
 
+    hf = hf_decoder_parts(model) is not None
+    default_units = pipeline_units(model)
     if cut is None:
-        hf = hf_decoder_parts(model) is not None
-        starts = hf_default_cuts(model, stages) if hf else _default_cuts(model, units, stages)
+        if len(default_units) < stages:
+            raise ParallelError(
+                f"{stages} pipeline stages but {type(model).__name__} has only {len(default_units)} pieces to cut "
+                f"({default_units}): use fewer stages (a smaller pp, or fewer stages_per_rank) or split the model "
+                "into more blocks"
+            )
+        starts = hf_default_cuts(model, stages) if hf else _default_cuts(model, default_units, stages)
     else:
-        starts = list(cut(list(units), stages) if callable(cut) else cut)
+        starts = list(cut(list(default_units), stages) if callable(cut) else cut)
         if isinstance(cut, str) or not all(isinstance(s, str) for s in starts):
             raise ParallelError(f"cut must be a list of module names (or a function returning one), got {cut!r}")
+    units = default_units if hf else pipeline_units(model, starts)
     if len(starts) != stages - 1:
         raise ParallelError(
             f"cut names {len(starts)} stage start(s) {starts}, but {stages} stages need {stages - 1}: name the "
             f"unit each stage after the first starts at, from {units}"
         )
-    missing = [s for s in starts if s not in units]
-    if missing:
-        raise ParallelError(
-            f"cut names {missing}, which is not a piece of {type(model).__name__} a stage can start at: use names "
-            f"from {units} (the pieces pipeline_units lists, in model order)"
-        )
-    positions = [units.index(s) for s in starts]
+    named = set() if hf else {n for n, _ in model.named_modules(remove_duplicate=False)}
+    resolved = []
+    for s in starts:
+        first = next((u for u in units if u == s or (s in named and u.startswith(s + "."))), None)
+        if first is None:
+            if hf:
+                raise ParallelError(
+                    f"cut names {[s]}, which is not a piece of {type(model).__name__} a stage can start at: use "
+                    f"names from {units} (the pieces pipeline_units lists, in model order)"
+                )
+            raise _bad_cut(model, s, units)
+        resolved.append(first)
+    positions = [units.index(s) for s in resolved]
     if positions != sorted(set(positions)) or (positions and positions[0] == 0):
         raise ParallelError(
             f"cut {starts} must name distinct units in model order, none of them the first ({units[0]!r}): each "
@@ -153,42 +220,46 @@ def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[li
     return [units[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
 
 
-def _prune(model: nn.Module, keep: set[str]) -> nn.Module:
-    """A deep copy of ``model`` holding only the units in ``keep``, every name unchanged.
+def _prune(model: nn.Module, keep: set[str], units: Sequence[str] | None = None) -> nn.Module:
+    """A deep copy of ``model`` holding only the units in ``keep`` (of ``units``, default: the pieces the kept
+    names open), every name unchanged.
 
-    A dropped child of the root becomes None (the model's forward must skip None pieces), except in a
-    ``Sequential`` root, where it is removed; a dropped container item is removed, so iterating the
-    container runs the kept items in order and their names keep their original keys.
+    A dropped piece becomes None (the model's forward must skip None pieces), except in a container (or a
+    ``Sequential`` root), where it is removed, so iterating the container runs the kept items in order and
+    their names keep their original keys.
     """
     from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_stage
 
     if hf_decoder_parts(model) is not None:
         return hf_stage(model, keep)
     stage = copy.deepcopy(model)
-    for name, child in list(stage.named_children()):
-        if isinstance(child, _CONTAINERS) and len(child):
-            for key in [k for k, _ in child.named_children() if f"{name}.{k}" not in keep]:
-                delattr(child, key)  # del child[i] would renumber the items that follow
-        elif name not in keep:
-            if isinstance(stage, nn.Sequential):
-                delattr(stage, name)
-            else:
-                setattr(stage, name, None)
+    for unit in units if units is not None else pipeline_units(model, sorted(keep)):
+        if unit in keep:
+            continue
+        parent_path, _, leaf = unit.rpartition(".")
+        parent = stage.get_submodule(parent_path) if parent_path else stage
+        if isinstance(parent, _CONTAINERS):
+            delattr(parent, leaf)  # del container[i] would renumber the items that follow
+        else:
+            setattr(parent, leaf, None)
     return stage
 
 
-def _check_root(model: nn.Module) -> None:
-    """Pieces held by the root itself cannot go to one stage: refuse them."""
-    own = [n for n, _ in model.named_parameters(recurse=False)]
-    buffers = [n for n, _ in model.named_buffers(recurse=False)]
-    if buffers:  # a non-persistent buffer (rotary tables) is not state: no stage needs to own it
-        saved = model.state_dict(keep_vars=True)
-        own += [n for n in buffers if n in saved]
-    if own:
-        raise ParallelError(
-            f"{type(model).__name__} holds {own} itself; pipeline stages are cut from its children, so no stage "
-            "would own them: move them into a submodule (e.g. an nn.Embedding or a small nn.Module)"
-        )
+def _check_opened(model: nn.Module, units: list[str]) -> None:
+    """Pieces held by the root (or by a module opened into pieces) itself cannot go to one stage: refuse them."""
+    for path, module in _opened_modules(model, units):
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        buffers = [n for n, _ in module.named_buffers(recurse=False)]
+        if buffers:  # a non-persistent buffer (rotary tables) is not state: no stage needs to own it
+            saved = module.state_dict(keep_vars=True)
+            own += [n for n in buffers if n in saved]
+        if own:
+            who = f"{type(model).__name__}" if not path else f"{path!r} ({type(module).__name__})"
+            raise ParallelError(
+                f"{who} holds {own} itself; pipeline stages are cut from its children, so no stage would own "
+                "them: move them into a submodule (e.g. an nn.Embedding or a small nn.Module)"
+                + ("" if not path else f", or cut outside {path!r}")
+            )
 
 
 # --------------------------------------------------------------------------- the model a rank holds
@@ -230,26 +301,23 @@ class PipelineModel(nn.Module):
         units: list[list[str]],
     ) -> None:
         super().__init__()
-        for module in stage_modules:
+        for module, index in zip(stage_modules, stage_indices):
             if hasattr(module, "pieces"):  # an HF decoder stage: pieces nest below the base model
                 for path, piece in module.pieces():
                     _attach(self, path, piece)
                 continue
-            for name, child in module.named_children():  # None (a piece of another stage) is skipped
-                if not isinstance(child, _CONTAINERS):
-                    self.add_module(name, child)
-                    continue
-                if not hasattr(self, name):
-                    self.add_module(name, nn.Module())
-                for key, item in child.named_children():
-                    getattr(self, name).add_module(key, item)
+            for path in units[index]:  # under shells: a piece of another stage is not reachable here
+                _attach(self, path, module.get_submodule(path))
         self.stage_modules = list(stage_modules)  # a plain list: not children, so names stay the full model's
         self.stage_indices, self.num_stages = list(stage_indices), num_stages
         self.topology, self.schedule_name = topology, schedule
         self.ranks = topology.size(topology.stage_dims)
         self.microbatches = microbatches if microbatches is not None else num_stages
         self.units = units
-        self._schedules: dict[tuple[int, bool], Any] = {}
+        self.shared: list[SharedParameter] = []  # parameters several stages hold (set by split_model)
+        self.probes: list[nn.Module] = []  # every stage on meta tensors, to try a new input shape on
+        self._schedules: dict[tuple, Any] = {}
+        self._probed: set[tuple] = set()
 
     @property
     def is_first(self) -> bool:
@@ -275,13 +343,28 @@ class PipelineModel(nn.Module):
         """Refuse a local batch the micro-batch count does not divide (before any collective)."""
         check_microbatches(self.microbatches, rows, self.schedule_name, self.ranks, self.num_stages)
 
-    def schedule(self, rows: int, loss_fn: Callable[..., torch.Tensor] | None) -> Any:
+    def agree_input(self, value: torch.Tensor | None) -> tuple:
+        """This step's input ``(shape, dtype)`` on every stage (one all-reduce over the stage group; ``value``:
+        the input on the first stage, None elsewhere). A shape seen for the first time is first run through
+        every stage on meta tensors (:func:`~meshwise.parallel.pipeline_probe.probe_stages`)."""
+        group = self.topology.group(self.topology.stage_dims)
+        key = agree_input(value if self.is_first else None, group, self.topology.device)
+        if key not in self._probed and self.probes:
+            shape, dtype = key
+            if shape and shape[0] % self.microbatches == 0:
+                micro = (shape[0] // self.microbatches, *shape[1:])
+                probe_stages(self.probes, self.units, micro, dtype)
+            self._probed.add(key)
+        return key
+
+    def schedule(self, rows: int, loss_fn: Callable[..., torch.Tensor] | None, key: tuple = ()) -> Any:
         """The torch schedule for local batches of ``rows`` samples; ``loss_fn=None``: forward only.
 
-        torch's stages size their receive buffers from the first micro-batch they see, so each batch
-        size (and training vs evaluation) gets its own stages and schedule, built once.
+        torch's stages size their receive buffers from the first micro-batch they see, so each input shape
+        (``key`` from :meth:`agree_input`; at least the row count) and training vs evaluation gets its own
+        stages and schedule, built once.
         """
-        key = (rows, loss_fn is None)
+        key = (rows, key, loss_fn is None)
         if key not in self._schedules:
             self.check_rows(rows)
             from torch.distributed import pipelining
@@ -296,6 +379,13 @@ class PipelineModel(nn.Module):
             # Gradients come out as meshwise weights them (counts, not a mean over micro-batches).
             self._schedules[key] = cls(first, self.microbatches, loss_fn=loss_fn, scale_grads=False)
         return self._schedules[key]
+
+    def sum_shared_grads(self) -> None:
+        """Sum the gradient of every parameter several stages hold over those stages (after backward, before
+        clipping and the optimizer step); :func:`meshwise.create_trainer` calls it. Nothing when none is shared."""
+        if self.shared:
+            group = self.topology.group(self.topology.stage_dims)
+            sum_shared_grads(self.shared, self, self.stage_indices, group, self.topology.device)
 
 
 def _logits_of_model_output(module: nn.Module, args: Any, output: Any) -> Any:
@@ -333,14 +423,34 @@ def split_model(
         isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1
     ):
         raise ParallelError(f"microbatches must be an int >= 1, got {microbatches!r}")
-    _check_root(model)
     units = stage_cuts(model, num_stages, cut)
+    _check_opened(model, [u for part in units for u in part])
+    shared = find_shared(model, units)  # before any stage drops a piece: one Parameter under two stages' names
+    probes = _probes(model, units)
     rank = topology.coordinate(topology.stage_dims)
     indices = list(range(rank, num_stages, ranks))
-    modules = [place(_prune(model, set(units[i]))) for i in indices]
+    flat = [u for part in units for u in part]
+    modules = [place(_prune(model, set(units[i]), flat)) for i in indices]
     if num_stages - 1 in indices:
         modules[indices.index(num_stages - 1)].register_forward_hook(_logits_of_model_output)
-    return PipelineModel(modules, indices, num_stages, topology, name, microbatches, units)
+    pipeline = PipelineModel(modules, indices, num_stages, topology, name, microbatches, units)
+    pipeline.probes = probes
+    if shared:
+        check_shared(shared, pipeline, indices, topology.group(topology.stage_dims))
+        pipeline.shared = shared
+    return pipeline
+
+
+def _probes(model: nn.Module, units: list[list[str]]) -> list[nn.Module]:
+    """Every stage of ``model`` on meta tensors (no data), to run a new input shape through before a step; none
+    for a transformers decoder, whose stage forward is meshwise's own."""
+    from meshwise.parallel.hf_pipeline import hf_decoder_parts
+
+    if hf_decoder_parts(model) is not None:
+        return []
+    meta = meta_copy(model)
+    flat = [u for part in units for u in part]
+    return [_prune(meta, set(part), flat) for part in units]
 
 
 def stage_plan(plan: Mapping[str, Any], module: nn.Module, matches: Callable[[nn.Module, str], bool]) -> dict:
