@@ -63,6 +63,16 @@ def _source_mentions(obj: Any, *names: str) -> bool:
 # --------------------------------------------------------------------------- torch
 
 
+def test_parameter_slots() -> None:
+    linear = torch.nn.Linear(2, 2)
+    slots = _check("nn.Module._parameters", "torch", lambda: compat.parameter_slots(linear))
+    weight = slots["weight"]
+    slots["weight"] = weight * 2  # a plain tensor for one forward: module.weight reads it
+    _check("nn.Module._parameters", "torch", lambda: torch.equal(linear.weight, weight * 2))
+    slots["weight"] = weight
+    _check("nn.Module._parameters", "torch", lambda: linear.weight is weight and len(list(linear.parameters())) == 2)
+
+
 def test_fake_store_and_the_fake_backend() -> None:
     store = _check("torch.testing._internal.distributed.fake_pg.FakeStore", "torch", compat.fake_store)
     _check("FakeStore (a dist.Store)", "torch", lambda: isinstance(store, dist.Store))
@@ -347,7 +357,7 @@ def test_physicsnemo_manager_and_shard_tensor() -> None:
 # --------------------------------------------------------------------------- the door stays the only one
 
 PRIVATE = re.compile(
-    r"_composable|_StorageInfo|\.storage_data\.prefix|transforms\.extensions|testing\._internal|\._flatten\(|_Options\(|\._timeout\b|_get_default_store|torch\._foreach|"
+    r"_composable|_StorageInfo|\._parameters\b|\.storage_data\.prefix|transforms\.extensions|testing\._internal|\._flatten\(|_Options\(|\._timeout\b|_get_default_store|torch\._foreach|"
     r"_nested_dict|_NativeDistModel|_SerialModel|_set_model|_need_to_sync|_event_handlers|"
     r"\._(defaults|reductions|cache|is_synced|computed|to_sync|copy_state_dict)\b|\._indices\b|_ex_iterable|"
     r"\._modules\b|_non_persistent_buffers_set|_orig_mod|\b_tp_plan\b|\b_pp_plan\b|\b_attn_implementation\b|"
@@ -384,3 +394,45 @@ def test_every_compat_entry_has_a_test_and_a_line_in_the_docs() -> None:
     untested = [n for n in compat.__all__ if f"compat.{n}" not in tests]
     undocumented = [n for n in compat.__all__ if f"`{n}`" not in docs]
     assert not untested and not undocumented, (untested, undocumented)
+
+
+# --------------------------------------------------------------------------- checkpoints read as data
+
+
+def test_dcp_metadata_globals_and_numpy_arrays(tmp_path) -> None:
+    import importlib
+    import io
+    import pickle
+    import warnings
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    state = {"w": torch.ones(2, 3, dtype=torch.float64), "b": torch.zeros(2, dtype=torch.bfloat16), "lr": 0.1}
+    with warnings.catch_warnings():  # DCP warns that it saves in one process: that is what is asked here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    named: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    with open(tmp_path / ".metadata", "rb") as f:
+        Recording(f).load()
+    private = {(m, n) for m, n in named if n.startswith("_") or any(p.startswith("_") for p in m.split("."))}
+    _check(
+        "the private names DCP's .metadata pickle refers to",
+        "torch",
+        lambda: private <= set(compat.DCP_METADATA_PRIVATE_GLOBALS),
+    )
+    for module, name in compat.DCP_METADATA_PRIVATE_GLOBALS:
+        _check(f"{module}.{name}", "torch", lambda m=module, n=name: hasattr(importlib.import_module(m), n))
+    buf = io.BytesIO()
+    torch.save({"keys": np.arange(5, dtype=np.uint32), "f": np.ones(2), "rng": np.random.get_state()}, buf)
+    buf.seek(0)
+    with torch.serialization.safe_globals(compat.numpy_array_globals()):
+        back = _check("numpy._core.multiarray._reconstruct", "torch", lambda: torch.load(buf, weights_only=True))
+    _check("numpy arrays through weights_only", "torch", lambda: back["keys"].tolist() == [0, 1, 2, 3, 4])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "DCP_METADATA_PRIVATE_GLOBALS",
     "DCP_SHARD_SUFFIX",
     "LEGACY_REPLICATE_KEY",
     "COMPILED_INNER",
@@ -48,6 +49,8 @@ __all__ = [
     "metric_is_synced",
     "metric_reductions",
     "metric_state_copy",
+    "numpy_array_globals",
+    "parameter_slots",
     "replicate_module_type",
     "replicate_with_fsdp",
     "set_attn_implementation",
@@ -369,3 +372,39 @@ def shard_function_registry() -> dict[Any, Any]:
     from physicsnemo.domain_parallel import ShardTensor
 
     return dict(getattr(ShardTensor, "_function_registry", None) or {})
+
+
+# =========================================================================== checkpoints read as data
+
+#: The private names DCP's ``.metadata`` pickle refers to (torch 2.13): ``filesystem._StorageInfo`` (where an item
+#: lies in a shard file), ``metadata._MEM_FORMAT_ENCODING`` (a tensor's memory format, as ``TensorProperties``
+#: pickles it) and ``serialization._get_layout`` (how a ``torch.layout`` pickles). meshwise's allowlist unpickler
+#: admits them by these names, with DCP's public metadata classes. Public replacement: DCP reading its metadata with
+#: ``torch.load(weights_only=True)`` and its own allowlist, which torch 2.13 does not do (it uses plain ``pickle``).
+DCP_METADATA_PRIVATE_GLOBALS: tuple[tuple[str, str], ...] = (
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"),
+)
+
+
+def numpy_array_globals() -> list[Any]:
+    """``numpy._core.multiarray._reconstruct`` (``numpy.core.multiarray`` before numpy 2), ``numpy.ndarray`` and
+    ``numpy.dtype`` (and its numeric dtype classes): what a pickled numpy array names, for
+    ``torch.serialization.safe_globals`` (torch's own advice for loading arrays with ``weights_only=True``; the
+    array's bytes are data). No public name of the function."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    names = ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct")
+    kinds = [type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"]  # numpy >= 1.25: one class per dtype
+    return [*((rebuild, n) for n in names), np.ndarray, np.dtype, *dict.fromkeys(k for k in kinds if k is not np.dtype)]
+
+
+def parameter_slots(module: nn.Module) -> dict[str, Any]:
+    """``nn.Module._parameters``: the dict ``module.<name>`` reads a parameter from, itself (writes go through). Lets
+    a forward hook hand the module a plain tensor computed from a parameter for one forward, as transformers'
+    tensor parallel and FSDP2 do. No public API: ``register_parameter`` and ``setattr`` take only
+    ``nn.Parameter``s, and ``torch.func.functional_call`` replaces the whole call, not one module's tensors."""
+    return module._parameters

@@ -3,7 +3,9 @@ and clip gradients by their global norm across every mesh they live on."""
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
@@ -18,6 +20,7 @@ from meshwise import compat
 from meshwise.dryrun import note_advice, note_model
 from meshwise.errors import ParallelError, PlacementWarning
 from meshwise.parallel.pipeline import Cut, check_schedule, pipeline_of, split_model, stage_plan
+from meshwise.parallel.pipeline_shared import STAGE_COPIES
 from meshwise.parallel.precision import (
     ActivationCheckpointing,
     Precision,
@@ -44,6 +47,7 @@ __all__ = [
     "fsdp_unit_names",
     "local_norm_contribution",
     "norm_from_power",
+    "on_parallelize",
     "parallelize",
     "reshard",
     "scale_grads",
@@ -189,6 +193,14 @@ def _plan_matches_name(name: str, pattern: str) -> bool:
 
 # --------------------------------------------------------------------------- parallelize
 
+_PARALLELIZE_HOOKS: list[Callable[[nn.Module, Topology], None]] = []
+
+
+def on_parallelize(hook: Callable[[nn.Module, Topology], None]) -> None:
+    """Run ``hook(model, topology)`` in :func:`parallelize` before any placement (integrations register here)."""
+    if hook not in _PARALLELIZE_HOOKS:
+        _PARALLELIZE_HOOKS.append(hook)
+
 
 def parallelize(
     model: nn.Module,
@@ -239,6 +251,10 @@ def parallelize(
     """
     topology = resolve(topology)
     _check_parallelize_input(model, topology, dp)
+    if "physicsnemo.domain_parallel" in sys.modules:  # ShardTensors may be in use: load the integration's hook
+        importlib.import_module("meshwise.physicsnemo")
+    for hook in _PARALLELIZE_HOOKS:  # integrations' checks and gradient conventions (docs/physicsnemo.md)
+        hook(model, topology)
     from meshwise.parallel.context import check_attention_routed
 
     check_attention_routed(model, topology)  # token-split parts through plain attention: a silently wrong loss
@@ -443,7 +459,7 @@ def check_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> dict[st
         plan = tp_plan(model) if callable(tp_plan) else tp_plan
     if not isinstance(plan, Mapping):
         raise ParallelError(f"tp_plan must be a mapping name -> ParallelStyle, got {type(plan).__name__}")
-    from torch.distributed.tensor.parallel import ParallelStyle
+    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
     for key, style in plan.items():
         if not isinstance(key, str) or not _plan_matches(model, key):
@@ -456,6 +472,13 @@ def check_tp_plan(model: nn.Module, topology: Topology, tp_plan: Any) -> dict[st
             raise ParallelError(
                 f"tp_plan[{key!r}] is a {type(style).__name__}, not a torch ParallelStyle: use "
                 "ColwiseParallel(), RowwiseParallel(), SequenceParallel() or PrepareModuleInput(...)"
+            )
+        odd = [(n, m) for n, m in model.named_modules() if n and _plan_matches_name(n, key)]
+        odd = [(n, type(m).__name__) for n, m in odd if not isinstance(m, nn.Linear | nn.Embedding)]
+        if type(style) in (ColwiseParallel, RowwiseParallel) and odd:  # e.g. GPT-2's Conv1D, stored [in, out]
+            raise ParallelError(
+                f"tp_plan[{key!r}] gives {odd[0][0]!r}, a {odd[0][1]}, the torch style {type(style).__name__}, "
+                "which shards only nn.Linear and nn.Embedding: leave it out of tp_plan (docs/hf.md, 'Tensor parallel')"
             )
     return dict(plan)
 
@@ -498,12 +521,14 @@ def local_norm_contribution(grads: Sequence[torch.Tensor], topology: Topology, n
 
     Every shard's power-sum is divided by the number of ranks holding an identical copy, so one
     all-reduce over the world counts every distinct element exactly once, whatever mesh it lives on.
-    For ``norm_type=inf`` it is the local max instead (combine with a MAX reduction).
+    For ``norm_type=inf`` it is the local max instead (combine with a MAX reduction). A gradient that several
+    pipeline stages hold (a tied embedding and head, summed over them by the trainer) carries ``STAGE_COPIES``
+    and is counted once.
     """
     holders = topology.world_size // topology.size(topology.stage_dims)
     buckets: dict[float, list[torch.Tensor]] = {}
     for g in grads:
-        local, copies = _replication(g, holders)
+        local, copies = _replication(g, holders * getattr(g, STAGE_COPIES, 1))
         if local.numel():
             buckets.setdefault(copies, []).append(local)
     device = topology.device

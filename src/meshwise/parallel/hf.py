@@ -1,21 +1,40 @@
 """Turn a Hugging Face transformers model's own tensor-parallel plan (``tp_plan="auto"``) into torch ParallelStyles,
-after checking that the model's sizes divide by the tensor-parallel size."""
+after checking that the model's sizes divide by the tensor-parallel size; refuse the plan strings meshwise cannot
+make equal to one process, naming the string and the module."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshwise import compat
 from meshwise.errors import ParallelError
 
-__all__ = ["SIZE_FIELDS", "STYLES", "check_divisible", "hf_plan_strings", "hf_tp_plan", "is_hf_model"]
+__all__ = [
+    "GRAD_ALLREDUCE",
+    "REFUSED",
+    "MlaKvAProjParallel",
+    "SIZE_FIELDS",
+    "STYLES",
+    "ReplicatedWithGradAllReduce",
+    "check_divisible",
+    "hf_plan_strings",
+    "hf_tp_plan",
+    "is_hf_model",
+]
 
 # The config sizes a TP plan cuts: heads (q/k/v columns, o rows), the MLP width, the vocabulary (embedding, lm_head)
 SIZE_FIELDS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
 
 
 def _colwise(gather: bool) -> Any:
@@ -32,25 +51,152 @@ def _rowwise(replicated_input: bool) -> Any:
     return RowwiseParallel(input_layouts=Replicate()) if replicated_input else RowwiseParallel()
 
 
-# transformers' plan strings (its ALL_PARALLEL_STYLES) and the torch style with the same input/output layouts.
-# None: the parameters stay whole on every tensor-parallel rank (data parallel still covers them).
-STYLES: dict[str, Callable[[], Any] | None] = {
-    "colwise": lambda: _colwise(False),  # Replicate in, Shard(-1) out: the heads / MLP columns split
-    "colwise_gather_output": lambda: _colwise(True),  # Replicate out: e.g. lm_head's full logits
-    "colwise_rep": lambda: _colwise(True),
-    "rowwise": lambda: _rowwise(False),  # Shard(-1) in (the colwise output), all-reduced out
-    "rowwise_split_input": lambda: _rowwise(True),  # a replicated input is split here first
-    "rowwise_rep": lambda: _rowwise(True),
-    "embedding_rowwise": lambda: _rowwise(True),  # vocab-parallel embedding: partial lookups summed
-    "embedding_colwise": lambda: _colwise(True),  # hidden-split embedding, gathered
-    "replicate": None,
-    "replicated_with_grad_allreduce": None,
+class _SumGradOver(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (every rank gets the same sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce into autograd's own buffer
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReplicatedWithGradAllReduce(ParallelStyle):
+    """transformers' ``replicated_with_grad_allreduce``: the module's parameters stay whole (plain tensors) on every
+    tensor-parallel rank, and their gradient is summed over the tensor-parallel ranks inside backward.
+
+    For a module that sees only this rank's slice of a sharded axis (Qwen3's and Gemma3's per-head
+    ``q_norm``/``k_norm`` normalise only the rank's heads), each rank's weight gradient is a partial sum; one
+    process's gradient is their sum. The sum is taken in the autograd graph, before the gradient reaches the
+    parameter, so it holds whatever tensor the module holds at forward time: FSDP2 and ``replicate`` register
+    their own unsharded parameters there (a hook on the original ``nn.Parameter`` would be lost), and they then
+    reduce an already-summed gradient over the data-parallel ranks. The gradients are identical on every
+    tensor-parallel rank, so ``clip_grad_norm`` counts them once and checkpoints hold plain replicated tensors.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        group = device_mesh.get_group()
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        stack: list[dict[str, Any]] = []
+
+        def swap_in(mod: nn.Module, args: Any) -> None:
+            slots, saved = compat.parameter_slots(mod), {}
+            if torch.is_grad_enabled():
+                for name in names:
+                    p = slots.get(name)
+                    if isinstance(p, DTensor):  # its gradient would be summed over more than the tp ranks
+                        raise ParallelError(
+                            f"{type(mod).__name__}.{name} is already a DTensor: replicated_with_grad_allreduce keeps "
+                            "plain whole parameters; build the model with plain parameters"
+                        )
+                    if p is not None and p.requires_grad:
+                        saved[name] = p
+                        # the module computes with a view whose gradient is summed, then reaches p
+                        slots[name] = _SumGradOver.apply(p, group)
+            stack.append(saved)
+
+        def swap_out(mod: nn.Module, args: Any, output: Any) -> None:
+            if stack:
+                compat.parameter_slots(mod).update(stack.pop())
+
+        module.register_forward_pre_hook(swap_in)
+        module.register_forward_hook(swap_out, always_call=True)
+        return module
+
+
+class MlaKvAProjParallel(ParallelStyle):
+    """transformers' ``mla_kv_a_proj``: multi-head latent attention's ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3) stays
+    whole, and the gradient of its output's last ``rope_dim`` features is summed over the tensor-parallel ranks.
+
+    Its output is ``[kv_lora_rank | qk_rope_head_dim]``: the first part reaches the colwise ``kv_b_proj``, whose
+    input gradient torch's style already sums, while the rotary key part goes straight into attention, shared by
+    every head, so each rank's gradient of it covers only its own heads.
+    """
+
+    def __init__(self, rope_dim: int) -> None:
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        group, rope = device_mesh.get_group(), self.rope_dim
+
+        def sum_rope_grad(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            if not (torch.is_grad_enabled() and output.requires_grad):
+                return output
+            latent, rotary = output.split([output.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, _SumGradOver.apply(rotary, group)], dim=-1)
+
+        module.register_forward_hook(sum_rope_grad)
+        return module
+
+
+def _mla(config: Any) -> MlaKvAProjParallel:
+    rope = getattr(config, "qk_rope_head_dim", None)
+    if not isinstance(rope, int):
+        raise ParallelError(
+            f"the tp plan string 'mla_kv_a_proj' needs config.qk_rope_head_dim (the rotary key width), which "
+            f"{type(config).__name__} lacks: pass tp_plan= as a dict"
+        )
+    return MlaKvAProjParallel(rope)
+
+
+# transformers' plan strings (its ALL_PARALLEL_STYLES) and, as a function of the model's config, the torch style
+# with the same input/output layouts. None: the parameters stay whole on every tensor-parallel rank, their gradient
+# taken as the same on each.
+STYLES: dict[str, Callable[[Any], Any] | None] = {
+    "colwise": lambda config: _colwise(False),  # Replicate in, Shard(-1) out: the heads / MLP columns split
+    "colwise_gather_output": lambda config: _colwise(True),  # Replicate out: e.g. lm_head's full logits
+    "colwise_rep": lambda config: _colwise(True),
+    "rowwise": lambda config: _rowwise(False),  # Shard(-1) in (the colwise output), all-reduced out
+    "rowwise_split_input": lambda config: _rowwise(True),  # a replicated input is split here first
+    "rowwise_rep": lambda config: _rowwise(True),
+    "embedding_rowwise": lambda config: _rowwise(True),  # vocab-parallel embedding: partial lookups summed
+    "embedding_colwise": lambda config: _colwise(True),  # hidden-split embedding, gathered
+    # transformers' unit styles replicate heads only when there are fewer key/value heads than ranks, which
+    # check_divisible refuses: with whole heads on every rank they are colwise/rowwise
+    "unit_colwise": lambda config: _colwise(False),
+    "unit_rowwise": lambda config: _rowwise(False),
+    "replicate": None,  # every rank keeps the whole parameter (its input is replicated: same gradient everywhere)
+    GRAD_ALLREDUCE: lambda config: ReplicatedWithGradAllReduce(),  # whole, gradient summed over the tp ranks
+    "mla_kv_a_proj": _mla,  # whole, the rotary key slice's gradient summed over the tp ranks
+}
+
+# The strings meshwise refuses, and why: each needs a layout torch's ColwiseParallel/RowwiseParallel cannot give.
+REFUSED: dict[str, str] = {
+    "local_params": "it shards a bare nn.Parameter of the module (e.g. attention sinks) through its own plan entry, "
+    "and torch's parallel styles shard only nn.Linear and nn.Embedding",
+    "packed_colwise": "a fused (packed) weight holds several projections side by side, and an even column split "
+    "would give each rank the wrong mix of them",
+    "packed_rowwise": "a fused (packed) weight holds several projections side by side, and an even row split would "
+    "give each rank the wrong mix of them",
+    "moe_tp_experts": "transformers' deprecated tensor-parallel experts (each rank a slice of every expert, the "
+    "routing weights' gradient summed by hand) have no torch style",
+    "sequence_parallel": "sequence parallel needs the activations between the styles sharded along the sequence, "
+    "which the rest of a transformers plan does not produce",
+    "all_reduce": "an all-reduce of a module's partial output has no torch style matching its gradient",
+    "grouped_gemm": "it belongs to transformers' expert-parallel plan (experts spread over ranks), which meshwise "
+    "does not apply",
+    "ep_dispatch_experts": "it belongs to transformers' expert-parallel plan (tokens dispatched to experts on other "
+    "ranks), which meshwise does not apply",
 }
 
 
 def is_hf_model(model: nn.Module) -> bool:
     """Whether ``model`` is a transformers ``PreTrainedModel`` (it has a config and a base model prefix)."""
     return hasattr(model, "config") and hasattr(model, "base_model_prefix")
+
+
+def _conv1d_refusal(model: nn.Module, what: str) -> ParallelError:
+    return ParallelError(
+        f"{what} is a transformers Conv1D (GPT-2 style: weight stored [in, out], q/k/v fused in one c_attn), which "
+        "torch's ColwiseParallel/RowwiseParallel cannot shard and transformers declares no tensor-parallel plan "
+        f"for: train {type(model).__name__} with data parallel only (a mesh without tp, or tp=1), or use a model "
+        "built from nn.Linear (docs/hf.md, 'Tensor parallel')"
+    )
 
 
 def hf_plan_strings(model: nn.Module) -> dict[str, str]:
@@ -71,6 +217,9 @@ def hf_plan_strings(model: nn.Module) -> dict[str, str]:
         base = {f"{prefix}.{k}": v for k, v in base.items()}
     plan = {**base, **compat.hf_class_tp_plan(type(model))}
     if not plan:
+        conv = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+        if conv:
+            raise _conv1d_refusal(model, f"{type(model).__name__} declares no tensor-parallel plan, and {conv[0]!r}")
         raise ParallelError(
             f"{type(model).__name__} declares no tensor-parallel plan (config.base_model_tp_plan is empty): pass "
             "tp_plan= as a dict name -> ColwiseParallel()/RowwiseParallel()"
@@ -92,56 +241,91 @@ def check_divisible(config: Any, tp: int) -> None:
         )
 
 
-def _plan_modules(model: nn.Module, key: str) -> list[tuple[str, nn.Module]]:
-    from meshwise.parallel.apply import _plan_matches_name
+def _matches(names: Any, key: str) -> list[str]:
+    """The names ``key`` selects as transformers matches them: each layer number of a name (``.3.``, or ``.3`` at
+    the end) read as ``*``, then the whole name equal to the key. ``parallelize_module``'s per-atom wildcards then
+    reach the same modules."""
+    return [n for n in names if n and re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n) == key]
 
-    return [(n, m) for n, m in model.named_modules() if n and _plan_matches_name(n, key)]
+
+def _check_module(model: nn.Module, key: str, name: str, modules: list[tuple[str, nn.Module]], tp: int) -> None:
+    """Refuse what the string cannot do on these modules (a refused string, a module its torch style cannot shard)."""
+    where = f"{type(model).__name__}'s tp plan gives {key!r} (e.g. {modules[0][0]!r}) the style {name!r}"
+    if name in REFUSED:
+        raise ParallelError(
+            f"{where}, which meshwise refuses: {REFUSED[name]}. Train this model without tensor parallel, or pass "
+            "tp_plan= as a dict of torch styles that leaves it whole (docs/hf.md, 'Tensor parallel')"
+        )
+    if name not in STYLES:
+        raise ParallelError(
+            f"{where}, which meshwise does not translate to a torch ParallelStyle (known: {sorted(STYLES)}; refused: "
+            f"{sorted(REFUSED)}): pass tp_plan= as a dict instead"
+        )
+    if STYLES[name] is None or name in (GRAD_ALLREDUCE, "mla_kv_a_proj"):
+        return
+    for mod_name, module in modules:
+        if type(module).__name__ == "Conv1D":
+            raise _conv1d_refusal(model, repr(mod_name))
+        if not isinstance(module, nn.Linear | nn.Embedding):
+            raise ParallelError(
+                f"{mod_name!r} is a {type(module).__name__}; torch's {name} style shards only nn.Linear and "
+                "nn.Embedding: pass tp_plan= as a dict without it"
+            )
+        # the dim the style splits: a Linear's out (colwise) or in (rowwise) features, an Embedding's rows or columns
+        rows = ("colwise" in name) == isinstance(module, nn.Linear)
+        size = module.weight.shape[0 if rows else 1]
+        if size % tp:
+            raise ParallelError(
+                f"{where}, which splits {mod_name!r} along a dim of {size}, not a multiple of tp={tp}: every rank "
+                "must hold an equal slice; use a tp size that divides it"
+            )
 
 
 def hf_tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
     """The torch plan (name -> ParallelStyle) for ``model``'s own transformers plan over ``tp`` ranks.
 
-    Raises :class:`ParallelError` for sizes that do not divide by ``tp``, a plan string meshwise does not
-    translate, an entry naming no module, a module torch cannot shard (e.g. GPT-2's ``Conv1D``), and a
-    sharded ``lm_head`` tied to the input embedding.
+    Entries that name nothing in this model are skipped, as transformers skips them (an MoE model whose every
+    layer is sparse has no dense ``mlp.gate_proj``), as long as some entry names a module. Raises
+    :class:`ParallelError` for sizes that do not divide by ``tp``, a plan string meshwise refuses (:data:`REFUSED`)
+    or does not know, an entry naming a bare parameter, a module torch cannot shard (e.g. GPT-2's ``Conv1D``), and
+    a plan that names nothing in the model. A sharded ``lm_head`` tied to the input embedding stays whole.
     """
     strings = hf_plan_strings(model)
     check_divisible(model.config, tp)
     tied = getattr(model.config, "tie_word_embeddings", False)
+    named = dict(model.named_modules())
+    params = [n for n, _ in model.named_parameters()]
     plan: dict[str, Any] = {}
+    matched = False
     for key, name in strings.items():
-        if name not in STYLES:
-            raise ParallelError(
-                f"{type(model).__name__}'s tp plan gives {key!r} the style {name!r}, which meshwise does not "
-                f"translate to a torch ParallelStyle (known: {sorted(STYLES)}): pass tp_plan= as a dict instead"
-            )
-        modules = _plan_modules(model, key)
+        modules = [(n, named[n]) for n in _matches(named, key)]
         if not modules:
-            raise ParallelError(
-                f"{type(model).__name__}'s tp plan names {key!r}, which matches no submodule: the plan does not fit "
-                "this model; pass tp_plan= as a dict of names from model.named_modules()"
-            )
+            owned = _matches(params, key)
+            if owned and name != "replicate":  # a whole parameter needs no style; any other would shard it
+                raise ParallelError(
+                    f"{type(model).__name__}'s tp plan gives the parameter {owned[0]!r} (key {key!r}) the style "
+                    f"{name!r}: torch's parallel styles place modules, not bare parameters, so meshwise cannot shard "
+                    "it; train this model without tensor parallel (docs/hf.md, 'Tensor parallel')"
+                )
+            matched = matched or bool(owned)
+            continue  # names nothing here: transformers skips it too
+        matched = True
+        _check_module(model, key, name, modules, tp)
         factory = STYLES[name]
         if factory is None:
             continue
-        for mod_name, module in modules:
-            if type(module).__name__ == "Conv1D":
-                raise ParallelError(
-                    f"{mod_name!r} is a transformers Conv1D (GPT-2 style, weight stored [in, out]), which torch's "
-                    "ColwiseParallel/RowwiseParallel cannot shard: use a model built from nn.Linear, or tp=1"
-                )
-            if not isinstance(module, nn.Linear | nn.Embedding):
-                raise ParallelError(
-                    f"{mod_name!r} is a {type(module).__name__}; torch's {name} style shards only nn.Linear and "
-                    "nn.Embedding: pass tp_plan= as a dict without it"
-                )
         if tied and any(isinstance(m, nn.Linear) for _, m in modules) and key.split(".")[-1] == "lm_head":
             # one weight in two modules: sharding lm_head's rows would also reshape the embedding it shares
             continue
-        plan[key] = factory()
+        plan[key] = factory(model.config)
+    if not matched:
+        raise ParallelError(
+            f"none of {type(model).__name__}'s tp plan entries ({sorted(strings)}) names a submodule: the plan does "
+            "not fit this model; pass tp_plan= as a dict of names from model.named_modules()"
+        )
     if tied:
         # a tied embedding keeps its whole weight: sharding it would shard the lm_head that shares it
-        for key in [k for k in plan if all(isinstance(m, nn.Embedding) for _, m in _plan_modules(model, k))]:
+        for key in [k for k in plan if all(isinstance(named[n], nn.Embedding) for n in _matches(named, k))]:
             del plan[key]
     return plan
 
