@@ -1,7 +1,7 @@
 """The ignite engines of a run and their handlers (layer 8: uses every layer below).
 
 :mod:`~meshwise.engine.trainer` (``create_trainer``, ``TrainStep``, ``MeshEngine``), :mod:`~meshwise.engine.evaluator`
-(``create_evaluator``, ``EvalMetrics``), :mod:`~meshwise.engine.batch` (batch preparation both share),
+(``create_evaluator``, ``EvalMetrics``), :mod:`~meshwise.engine.batch` (batch preparation both share, ``shift_labels``),
 :mod:`~meshwise.engine.handlers` (``Checkpointing``, ``ProgressBar``, ``PeriodicEvaluation``, ``TimeBudget``),
 :mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``) and :mod:`~meshwise.engine.ignite_habits`
 (``on_mesh``, the supervised helpers' ``prepare_batch``/``global_loss``). See docs/training.md, docs/ignite.md.
@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from meshwise.engine.batch import shift_labels
 from meshwise.engine.evaluator import EvalMetrics, create_evaluator
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
 from meshwise.engine.ignite_habits import on_mesh
@@ -29,4 +30,5 @@ __all__ = [
     "create_trainer",
     "on_mesh",
     "setup_logging",
+    "shift_labels",
 ]

@@ -17,24 +17,38 @@ from torch import nn
 from meshwise.debug import guarded
 from meshwise.debug.replicas import check_replicas, needs_check
 from meshwise.dryrun import note_trainer
-from meshwise.engine.batch import Batch, local_value, loss_input, ready_batch, row_count, split_rows, take_rows
+from meshwise.engine.batch import (
+    IGNORE_INDEX,
+    Batch,
+    labels_unshifted,
+    local_value,
+    loss_input,
+    ready_batch,
+    row_count,
+    split_rows,
+    take_rows,
+)
 from meshwise.engine.ignite_habits import check_model, run_ignite_checks
 from meshwise.errors import MeshwiseError
 from meshwise.parallel.apply import (
     clip_coefficient,
     local_norm_contribution,
     norm_from_power,
+    reshard,
     scale_grads,
 )
 from meshwise.parallel.precision import check_trainer_precision, precision_of
 from meshwise.topology import Topology, resolve
 
-__all__ = ["IGNORE_INDEX", "LossWeight", "MeshEngine", "TrainStep", "create_trainer"]
+__all__ = ["IGNORE_INDEX", "LossWeight", "MeshEngine", "TrainStep", "call_loss", "create_trainer"]
 
 LossWeight = str | Callable[[Batch], int | float | torch.Tensor]
 
-IGNORE_INDEX = -100
-"""The target value that ``loss_weight="labels"`` does not count: PyTorch's and Hugging Face's ``ignore_index``."""
+SHIFT_LABELS_KEY = "shift_labels"
+"""transformers' batch field of labels already shifted (label ``t`` scores logit ``t``): used as the target."""
+
+LABEL_CHECK_STEPS = 3
+"""Steps whose batches are checked for ``labels = input_ids`` under ``"labels"``, until one decides."""
 
 _WEIGHTS = ("samples", "tokens", "labels")
 
@@ -74,6 +88,60 @@ def _check_placement(model: nn.Module, topo: Topology) -> None:
     check_model(model, topo)  # also refuses idist.auto_model's DDP over the whole world beside tp/cp dims
 
 
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer must hold the model's own parameters: refuse tensors it holds that the model does not train.
+
+    The model is resharded first (FSDP2 leaves a forward without backward gathered: docs/torch.md,
+    "Checkpoints (DCP)"), so its ``parameters()`` are the sharded ones FSDP2 updates and a checkpoint reads. An
+    optimizer built while the gathered copies were registered holds those instead, and its steps never reach the
+    model as one process's would (0.10 off after 2 steps in the tests). Any other tensor outside the model would
+    miss the trainer's gradient scaling, clipping and data-parallel averaging.
+    """
+    gathered = {id(p) for p in model.parameters()}
+    reshard(model)  # parameters() are now the sharded ones, whatever forward ran before
+    own = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in own]
+    if not foreign:
+        return
+    shown = ", ".join(f"{tuple(p.shape)}" for p in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    what = f"the optimizer holds {len(foreign)} of its {len(held)} tensors that are not the model's parameters"
+    if any(id(p) in gathered for p in foreign):  # registered on the model until the reshard just above
+        raise MeshwiseError(
+            f"{what} (shapes {shown}) but FSDP2's gathered copies of them: a forward ran without a backward before "
+            "the optimizer was made (a no-grad probe, an evaluation), which leaves FSDP2's unsharded parameters "
+            "registered on the model, and the optimizer was built on those instead of the sharded parameters "
+            "FSDP2 trains, so training would be silently wrong. Build the optimizer right after "
+            "meshwise.parallelize() / load_hf(), before any forward, or call meshwise.parallel.reshard(model) "
+            "before building it (the model is resharded now: building it again from model.parameters() works)"
+        )
+    raise MeshwiseError(
+        f"{what} (shapes {shown}): the trainer scales, clips and averages over data ranks only the model's "
+        "gradients, so those would train unlike one process. Build the optimizer from model.parameters() after "
+        "meshwise.parallelize() (which replaces the parameters it shards) and before any forward (under FSDP2 a "
+        "forward without a backward leaves gathered copies registered until meshwise.parallel.reshard(model)); "
+        "make any other trained tensor a parameter of the model (a submodule) before parallelize()"
+    )
+
+
+def call_loss(loss_fn: Callable[..., torch.Tensor], output: Any, target: Any) -> torch.Tensor:
+    """``loss_fn(output, target)``, with an error that says what ``loss_fn`` gets when it reads ``output.loss``."""
+    try:
+        return loss_fn(output, target)
+    except AttributeError as exc:
+        if not isinstance(output, torch.Tensor) or getattr(exc, "obj", None) is not output:
+            raise
+        raise MeshwiseError(
+            f"loss_fn read output.{exc.name}, but it receives the model's output as a tensor: a transformers "
+            "ModelOutput reaches loss_fn as its logits, never whole, and never its .loss, which is a mean over "
+            "labels shifted inside one micro-batch that the trainer cannot weigh into the global batch's mean. "
+            "Write loss_fn(logits, target) returning the micro-batch's mean over what loss_weight counts, e.g. "
+            "F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100) with "
+            "loss_weight='labels' and shifted targets (prepare=meshwise.engine.shift_labels for "
+            "labels = input_ids); docs/hf.md, 'Loss'"
+        ) from exc
+
+
 def check_scalar_loss(loss: Any) -> None:
     """``loss_fn`` must return the batch's mean as a scalar tensor: meshwise weights it by the count itself."""
     if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
@@ -81,6 +149,14 @@ def check_scalar_loss(loss: Any) -> None:
         raise MeshwiseError(
             f"loss_fn returned {shape}, not a scalar tensor: return the mean over the batch "
             "(e.g. reduction='mean'); meshwise weights it by the sample or token count itself"
+        )
+    from torch.distributed.tensor import DTensor
+
+    if hasattr(loss, "placements") and not isinstance(loss, DTensor):  # e.g. PhysicsNeMo's ShardTensor
+        raise MeshwiseError(
+            f"loss_fn returned a {type(loss).__name__} (a value the split ranks share), but the trainer weighs each "
+            "rank's own mean by its own count: compute the loss on this rank's tile, e.g. forward= returning "
+            "model(shard_tensor).to_local() and loss_fn=F.mse_loss on the loader's target tile (docs/physicsnemo.md)"
         )
 
 
@@ -115,6 +191,7 @@ class TrainStep:
         topo = resolve(topology)
         _check_options(model, optimizer, accumulation_steps, grad_clip, loss_weight, target_key)
         _check_placement(model, topo)
+        _check_optimizer(model, optimizer)
         self.model, self.optimizer, self.loss_fn, self.topology = model, optimizer, loss_fn, topo
         self.max_norm = None if grad_clip is None else float(grad_clip)
         self.norm_type = norm_type
@@ -138,6 +215,8 @@ class TrainStep:
         self.replicas_checked = not needs_check(topo)  # the first step compares batches (every step in debug)
         self.loss_count: float | None = None
         self.grad_norm: float | None = None
+        # the first steps under "labels" look for labels = input_ids (docs/hf.md, "Loss")
+        self.label_checks = LABEL_CHECK_STEPS if loss_weight == "labels" and target_key is not None else 0
 
     def __call__(self, engine: Engine, batch: Batch) -> float:
         topo = self.topology
@@ -182,6 +261,11 @@ class TrainStep:
         if not self.model.training:
             self.model.train()
         batch = ready_batch(batch, self.prepare, self.topology.device, "trainer")
+        shifted = batch.get(SHIFT_LABELS_KEY)
+        if self.target_key is not None and isinstance(shifted, torch.Tensor):
+            batch = {**batch, self.target_key: shifted}  # transformers' already shifted labels are the targets
+        if self.label_checks:
+            self.check_labels(batch)
         if self.counts_first():  # scale backward by this step's own global count
             count = self._global_count(batch)
             if count > 0:
@@ -218,6 +302,39 @@ class TrainStep:
         self.optimizer.step()
         self.loss_count = count
         return loss_total / count
+
+    def check_labels(self, batch: Batch) -> None:
+        """Refuse targets that are the inputs (``labels = input_ids``) under ``"labels"``, on every rank alike.
+
+        Each rank judges its own batch (:func:`~meshwise.engine.batch.labels_unshifted`; a pipeline stage
+        without both inputs and targets abstains) and one small world all-reduce adds the verdicts, so every
+        rank raises or none does. Checking stops at the first step any rank could decide, or after
+        ``LABEL_CHECK_STEPS`` steps.
+        """
+        topo = self.topology
+        verdict = labels_unshifted(batch, self.input_key, self.target_key)
+        flags = torch.tensor([float(verdict is True), float(verdict is not None)], dtype=torch.float64)
+        if topo.world_size > 1:
+            flags = flags.to(topo.device)
+            dist.all_reduce(flags)
+        unshifted, decided = flags.tolist()
+        self.label_checks = 0 if decided else self.label_checks - 1
+        if unshifted:
+            key = self.target_key
+            inp = self.input_key if isinstance(batch.get(self.input_key), torch.Tensor) else "input_ids"
+            raise MeshwiseError(
+                f"loss_weight='labels' counts batch[{key!r}] as labels aligned with the logits (label t scores "
+                f"the logit of token t, i.e. the next token), but batch[{key!r}] equals batch[{inp!r}] at every "
+                "scored position: the causal-LM habit labels = input_ids, with a loss_fn that shifts inside. "
+                "The trainer would then count one label a row that the loss never scores (and under context "
+                "parallel the shift would pair tokens across ranks), training silently unlike one process. "
+                "Shift the labels on the batch and drop the shift from loss_fn: create_trainer(..., "
+                f"prepare=meshwise.engine.shift_labels) (functools.partial(shift_labels, key={key!r}) for "
+                "another key name), or a 'shift_labels' batch field as transformers makes it, with "
+                "loss_fn=lambda logits, target: F.cross_entropy(logits.flatten(0, 1), target.flatten(), "
+                "ignore_index=-100). If the targets really are the inputs (an autoencoder), count them with "
+                f"loss_weight=lambda b: (b[{key!r}] != -100).sum() instead"
+            )
 
     def counts_first(self) -> bool:
         """Whether a step counts its global batch before backward: under ``"labels"``, whose counts vary."""
@@ -256,7 +373,7 @@ class TrainStep:
         with self.step_context():
             with self.precision.autocast():
                 output = loss_input(self.forward(self.model, micro))
-            loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
+            loss = call_loss(self.loss_fn, output, micro if self.target_key is None else micro[self.target_key])
             check_scalar_loss(loss)
             scale = count * self.data_parallel / self.reference * (self.scaler.scale if self.scaler else 1.0)
             (loss if scale == 1.0 else loss * scale).backward()
@@ -333,6 +450,28 @@ class MeshEngine(Engine):
         super().load_state_dict({**state_dict, "iteration": 0})
         self.state.iteration, self.state.epoch = done, 0
 
+    def run(self, data: Any = None, max_epochs: int | None = None, max_iters: int | None = None, **kw: Any) -> Any:
+        """ignite's ``run``; a run stopped inside an epoch and run again goes on in that epoch, as its resume would.
+
+        ignite counts a new epoch from batch 0 there (for a list it restarts it), while meshwise's loaders go on
+        from their position: a stream's length would be learnt short and later epochs cut there.
+        """
+        s = self.state
+        if max_iters is not None and None not in (s.max_iters, s.max_epochs, s.epoch_length):
+            s.max_epochs = None  # ignite set it from a stream's learnt length; its max_iters mode check would refuse
+        more_iters, more_epochs = max_iters or s.max_iters, max_epochs or s.max_epochs
+        going_on = not (
+            (more_iters is not None and s.iteration >= more_iters)
+            or (more_epochs is not None and s.epoch >= more_epochs)
+            or (None not in (more_epochs, s.epoch_length) and s.iteration >= more_epochs * s.epoch_length)
+        )
+        inside = s.iteration > 0 and s.epoch > 0 and (s.epoch_length is None or s.iteration % s.epoch_length)
+        if self.should_terminate and going_on and inside:
+            # ignite adds an epoch as it starts; its first batch count then comes from the iteration, as on a resume
+            s.epoch -= 1
+            self.should_terminate = False
+        return super().run(data, max_epochs=max_epochs, max_iters=max_iters, **kw)
+
 
 def create_trainer(
     model: nn.Module,
@@ -362,6 +501,11 @@ def create_trainer(
     the target), ``"labels"`` (target elements other than ``IGNORE_INDEX`` (-100), Hugging Face's
     ``num_items_in_batch``: targets must already be aligned with the logits, i.e. shifted) or
     ``callable(micro) -> count``. ``"samples"``/``"tokens"`` refuse targets holding -100 (MeshwiseError).
+    A batch field ``shift_labels`` (transformers' already shifted labels) is used as the target. Under
+    ``"labels"`` the first steps refuse targets equal to the inputs (``labels = input_ids`` with a ``loss_fn``
+    that shifts inside): ``prepare=meshwise.engine.shift_labels`` shifts them on the batch instead. The
+    optimizer must hold the model's own parameters (after :func:`~meshwise.parallel.reshard`, which this
+    calls): one built on FSDP2's gathered copies, after a forward without backward, is refused.
     Gradients are those of the mean over the *global* batch; with ``grad_clip`` they are clipped by
     their global norm (``norm_type``) across every mesh. Nothing is moved except to ``topology.device``.
 
