@@ -23,6 +23,7 @@ from meshwise import compat
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"torch": "torch", "ignite": "pytorch-ignite", "torchmetrics": "torchmetrics", "datasets": "datasets"}
 PACKAGES |= {"transformers": "transformers", "physicsnemo": "nvidia-physicsnemo"}
+PACKAGES |= {"deepspeed": "deepspeed"}
 
 
 def _version(package: str) -> str:
@@ -354,6 +355,23 @@ def test_physicsnemo_manager_and_shard_tensor() -> None:
     _check("ShardTensor._function_registry", "physicsnemo", lambda: isinstance(compat.shard_function_registry(), dict))
 
 
+def test_deepspeed_compatible_ops() -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.comm.torch import build_shm_op
+
+    from meshwise.deepspeed import SHM_OP
+
+    ops = _check("deepspeed.ops.__compatible_ops__", "deepspeed", compat.deepspeed_compatible_ops)
+    _check("deepspeed.ops.__compatible_ops__", "deepspeed", lambda: isinstance(ops, dict) and SHM_OP in ops)
+    _check("deepspeed.ops.__compatible_ops__ (one dict)", "deepspeed", lambda: compat.deepspeed_compatible_ops() is ops)
+    was = ops[SHM_OP]
+    try:  # the verdict build_shm_op reads: False returns None at once, no compiler started
+        ops[SHM_OP] = False
+        _check("deepspeed.comm.torch.build_shm_op reading the verdict", "deepspeed", lambda: build_shm_op() is None)
+    finally:
+        ops[SHM_OP] = was
+
+
 # --------------------------------------------------------------------------- the door stays the only one
 
 PRIVATE = re.compile(
@@ -361,7 +379,7 @@ PRIVATE = re.compile(
     r"_nested_dict|_NativeDistModel|_SerialModel|_set_model|_need_to_sync|_event_handlers|"
     r"\._(defaults|reductions|cache|is_synced|computed|to_sync|copy_state_dict)\b|\._indices\b|_ex_iterable|"
     r"\._modules\b|_non_persistent_buffers_set|_orig_mod|\b_tp_plan\b|\b_pp_plan\b|\b_attn_implementation\b|"
-    r"\b_shared_state|\._global_mesh|\._mesh_dims|\b_function_registry|\._spec\b|\._sharding_shapes|manager\._[a-z]"
+    r"\b_shared_state|\._global_mesh|\._mesh_dims|\b_function_registry|\._spec\b|\._sharding_shapes|manager\._[a-z]|__compatible_ops__"
 )
 
 
@@ -390,7 +408,7 @@ def test_no_private_name_outside_compat() -> None:
 
 def test_every_compat_entry_has_a_test_and_a_line_in_the_docs() -> None:
     tests = Path(__file__).read_text()
-    docs = (ROOT / "docs" / "torch.md").read_text()
+    docs = (ROOT / "docs" / "torch.md").read_text() + (ROOT / "docs" / "dev" / "torch.md").read_text()
     untested = [n for n in compat.__all__ if f"compat.{n}" not in tests]
     undocumented = [n for n in compat.__all__ if f"`{n}`" not in docs]
     assert not untested and not undocumented, (untested, undocumented)
@@ -436,3 +454,11 @@ def test_dcp_metadata_globals_and_numpy_arrays(tmp_path) -> None:
     with torch.serialization.safe_globals(compat.numpy_array_globals()):
         back = _check("numpy._core.multiarray._reconstruct", "torch", lambda: torch.load(buf, weights_only=True))
     _check("numpy arrays through weights_only", "torch", lambda: back["keys"].tolist() == [0, 1, 2, 3, 4])
+
+
+def test_a_missing_optional_extra_names_who_needs_it_and_how_to_install_it():
+    from meshwise.errors import TopologyError, import_extra
+
+    assert import_extra("json", "x", "y").dumps(1) == "1"
+    with pytest.raises(TopologyError, match=r"^meshwise.thing needs no_such_pkg: pip install 'meshwise\[thing\]'$"):
+        import_extra("no_such_pkg.sub", "meshwise.thing", "pip install 'meshwise[thing]'")

@@ -1,7 +1,7 @@
 """Context parallel proves that attention goes through meshwise's, and runs a model written without meshwise in mind.
 
 One launch of 4 gloo processes: at dp=2 x cp=2 a GPT-Neo (whose attention never calls transformers' attention
-interface) is refused at its first forward, naming its attention modules, where the route alone attends each
+interface) is refused by context_parallel, naming its attention modules, where the route alone attends each
 rank's own tokens (checked too); a Llama, routed through the interface, trains like one process and the proof
 takes itself off after the first forward; a module that declares meshwise's entry point but never calls it is
 refused; positions built with arange on every rank are refused with the fix. A nanoGPT-style model (SDPA with
@@ -260,8 +260,8 @@ class _Own(nn.Module):
 
 
 def _dp2_cp2(topo) -> dict:
+    from meshwise.hf.attention import hf_context_parallel
     from meshwise.parallel.context import ContextAttention, context_parallel
-    from meshwise.parallel.hf import hf_context_parallel
     from meshwise.parallel.routing import attention_calls
 
     out: dict = {}
@@ -335,8 +335,9 @@ def test_non_interface_attention_is_refused_naming_its_modules(ranks):
         r = r["dp2cp2"]
         wrong, calls = r["neo_unproven"]
         assert wrong > 1e-3 and calls == 0, r["neo_unproven"]  # what the proof stops: silently wrong, no call
-        assert "'transformer.h.0.attn'" in r["neo"] and "'transformer.h.0.attn.attention'" in r["neo"], r["neo"]
-        assert "before any backward" in r["neo"] and "attention interface" in r["neo"], r["neo"]
+        # refused by context_parallel itself: GPT-Neo's attention classes never read the interface
+        assert "'transformer.h.0.attn.attention'" in r["neo"], r["neo"]
+        assert "compute attention themselves" in r["neo"] and "attention interface" in r["neo"], r["neo"]
         assert "['attn']" in r["own"] and "context_attention(q, k, v, positions)" in r["own"], r["own"]
 
 
@@ -373,3 +374,91 @@ def test_bad_sdpa_road_options():
         context_parallel(_nano(), fake, sdpa=True, positions_into="nope")
     with pytest.raises(ParallelError, match="sdpa=True"):  # the refusal names the road
         context_parallel(_nano(), fake)
+
+
+def test_attention_arguments_meshwise_does_not_compute_are_refused():
+    """One process: the transformers attention function refuses, naming them, the arguments that change the math
+    (softcap, attention sinks, a sliding window shorter than the window, a mask the family computed itself), and
+    takes the mask transformers' own mask code built."""
+    from meshwise.errors import ParallelError
+    from meshwise.hf.attention import _check_call, _mask_function
+
+    module = nn.Linear(1, 1)
+    q = torch.zeros(1, 4, 4, 8)  # [B, heads, T_local, head_dim]: 8 tokens over a split of 2
+    for kwargs, match in (
+        ({"softcap": 50.0}, r"softcapping \(softcap=50.0\)"),
+        ({"s_aux": torch.zeros(4)}, r"attention sinks \(s_aux"),
+        ({"sliding_window": 4}, r"sliding window of 4 tokens shorter than the 8-token window"),
+        ({"indices": torch.zeros(2)}, r"indices=Tensor"),
+    ):
+        with pytest.raises(ParallelError, match=match):
+            _check_call(module, q, None, kwargs, 2)
+    assert _check_call(module, q, None, {"sliding_window": 8, "softcap": None, "use_cache": True}, 2)
+    assert not _check_call(module, q, None, {"is_causal": False}, 2)
+    from transformers.masking_utils import causal_mask_function
+
+    mask = _mask_function(
+        batch_size=1,
+        q_length=4,
+        kv_length=4,
+        mask_function=causal_mask_function,
+        allow_is_causal_skip=False,
+    )
+    assert _check_call(module, q, mask, {}, 2)
+    with pytest.raises(ParallelError, match=r"an attention_mask its own forward computed"):
+        _check_call(module, q, mask.float() * 0.5, {}, 2)  # e.g. Doge's learned dynamic mask
+
+
+class _Mesh:
+    """Just the dims check_random_draws reads (it runs before any collective)."""
+
+    def __init__(self, dims: dict) -> None:
+        self.dims = dims
+        self.metric_dims = tuple(d for d in dims if d in ("dp", "cp"))
+        self.stage_dims = tuple(d for d in dims if d == "pp")
+        self.split_dims = tuple(d for d in dims if d == "cp")
+
+    def size(self, dims) -> int:
+        return math.prod(self.dims[d] for d in dims)
+
+
+class _CumsumMlp(nn.Module):
+    """A token mixer outside attention: each token gets the running sum of the ones before it."""
+
+    def __init__(self, mlp: nn.Module, noise: bool = False) -> None:
+        super().__init__()
+        self.mlp, self.noise = mlp, noise
+
+    def forward(self, x):
+        if self.noise:
+            return self.mlp(x) * (1 + 0.01 * torch.rand_like(x)) if self.training else self.mlp(x)
+        return self.mlp(x) + 0.1 * x.cumsum(1)
+
+
+def test_split_probe_refuses_what_cannot_equal_one_process():
+    """One process: under a token split, a transformers model is refused when it mixes tokens outside attention,
+    uses positions of its own (RoBERTa's offset) or ignores position_ids (BART); on a mesh that splits the batch,
+    when its training forward draws random numbers (a router's jitter); a Llama passes."""
+    from transformers import BartConfig, BartForCausalLM, RobertaConfig, RobertaForCausalLM
+
+    from meshwise.hf.attention import check_random_draws, probe_split
+
+    probe_split(hf_tiny.llama())
+    mixer = hf_tiny.llama()
+    mixer.model.layers[1].mlp = _CumsumMlp(mixer.model.layers[1].mlp)
+    assert "mixes tokens outside attention" in _error(lambda: probe_split(mixer))
+    noisy = hf_tiny.llama()
+    noisy.model.layers[0].mlp = _CumsumMlp(noisy.model.layers[0].mlp, noise=True)
+    assert "draws random numbers (['rand_like']" in _error(lambda: probe_split(noisy))  # under a token split
+    for dims, refused in (({"tp": 2}, False), ({"dp": 2}, True), ({"cp": 2}, True), ({"pp": 2}, True)):
+        message = _error(lambda dims=dims: check_random_draws(noisy, _Mesh(dims)))
+        assert ("draws random numbers (['rand_like']" in message) == refused, (dims, message)
+    plain = hf_tiny.llama().eval()
+    assert _error(lambda: check_random_draws(plain, _Mesh({"dp": 2}))) == "no error" and not plain.training
+    small = {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    roberta = RobertaForCausalLM(RobertaConfig(vocab_size=64, is_decoder=True, **small)).double()
+    assert "its own positions differ from the global position_ids" in _error(lambda: probe_split(roberta))
+    bart = BartForCausalLM(
+        BartConfig(vocab_size=64, d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32)
+    ).double()
+    assert "ignores the position_ids it is given" in _error(lambda: probe_split(bart))

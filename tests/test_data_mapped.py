@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from meshwise.data import ArrayDataset, MeshSampleLoader, Replicate, Shard, mesh_dataloader, pack, pad_collate
-from meshwise.data.mapped import decode, encode
 from meshwise.data.packing import pack_arrays
+from meshwise.data.reading import decode, encode
 from meshwise.data.sampler import MeshSampler
 from meshwise.environment import Environment
 from meshwise.errors import DataError

@@ -8,7 +8,7 @@ import math
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from meshwise import launch
-from meshwise.testing import run_distributed
+from meshwise.testing import process_context, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt" / "train.py"
@@ -95,6 +95,17 @@ def _heat(out: Path, samples: int, size: int = 16) -> None:
             )
 
 
+def _dry_run_in_a_fresh_process(argv: list[str]) -> tuple[int, str, str]:
+    """``meshwise run --dry-run ...`` as the command line runs it, in this (fresh) process: code, stdout, stderr."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = launch.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.mark.slow
 def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
     np.save(tmp_path / "tokens.npy", (np.arange(800_000) * 7 % 61).astype(np.uint16))
@@ -110,14 +121,18 @@ def test_dry_runs_of_the_examples_match_a_real_run(tmp_path: Path) -> None:
             domain = ["--data", str(tmp_path / "heat"), "--batch", str(world // 2)]
             out = tmp_path / f"d{world}-{r}.json"
             runs[("domain", world, r)] = _dry(DOMAIN / "train.py", world, r, "dp=-1,domain=2", domain, out)
-    # one process per dry run, as the CLI runs them: the first (GPT rank 0 prepares the corpus), then two at a time
-    commands = [[sys.executable, "-m", "meshwise.launch", *argv] for argv in runs.values()]
-    first = subprocess.run(commands[0], capture_output=True, text=True, timeout=240)
-    with ThreadPoolExecutor(2) as pool:
-        rest = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True, timeout=240), commands[1:]))
-    for done in (first, *rest):
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert "meshwise dry run (fake backend" in done.stdout
+    # one process per dry run: the first through the command line (GPT rank 0 prepares the corpus), then the
+    # others two at a time, each in a fresh process forked with torch imported (as 16 command lines they spent
+    # most of a minute importing torch; the command line itself is the first run's and the next test's)
+    argvs = list(runs.values())
+    first = subprocess.run(
+        [sys.executable, "-m", "meshwise.launch", *argvs[0]], capture_output=True, text=True, timeout=240
+    )
+    with ProcessPoolExecutor(2, mp_context=process_context(), max_tasks_per_child=1) as pool:
+        rest = list(pool.map(_dry_run_in_a_fresh_process, argvs[1:], timeout=240))
+    for code, stdout, stderr in [(first.returncode, first.stdout, first.stderr), *rest]:
+        assert code == 0, stderr[-3000:]
+        assert "meshwise dry run (fake backend" in stdout
     facts = {key: json.loads(Path(argv[argv.index("--report-json") + 1]).read_text()) for key, argv in runs.items()}
 
     real = run_distributed(_real_gpt_rank, 4, small, env={"MESHWISE_MESH": "dp=-1,tp=2"}, timeout=300)

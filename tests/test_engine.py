@@ -57,9 +57,12 @@ def test_loss_parallel_token_weighting_matches_one_process(run):
 def test_logs_written_once_and_plotted(run, tmp_path, capsys):
     run_dir, ranks = run
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == [1, 2, 3, 4, 5, 6]  # one writer, not four
-    assert all(r["tag"] == "train" and r["epoch"] == 1 for r in lines)
-    assert [r["loss"] for r in lines] == pytest.approx(ranks[0]["losses"], abs=1e-12)
+    train = [r for r in lines if r["tag"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # one writer, not four
+    assert all(r["epoch"] == 1 for r in train)
+    assert [r["loss"] for r in train] == pytest.approx(ranks[0]["losses"], abs=1e-12)
+    # every rank's peak memory once, at the run's end (the observer's one gather; tests/test_observe.py)
+    assert sorted(r["tag"] for r in lines if r["tag"] != "train") == ["rank0", "rank1", "rank2", "rank3"]
     events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1, events
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "tensorboard"]
@@ -202,7 +205,9 @@ def test_progress_bar_periodic_evaluation_and_time_budget(topo):
     assert [h["iteration"] for h in periodic.history] == [0, 2, 4, 5]
     assert periodic.latest == periodic.history[-1]["metrics"] == evaluator.state.metrics
     assert "fit[5/5]" in out.getvalue() and "val_mse=" in out.getvalue()
-    assert set(seen[-1]) == {"loss", "val_mse"} and seen[-1]["loss"] == trainer.state.output
+    # the loss, then the trainer's observer (lr, rate, memory), then the evaluator's metrics
+    assert list(seen[-1]) == ["loss", "lr", "samples/s", "mem", "val_mse"]
+    assert seen[-1]["loss"] == trainer.state.output and seen[-1]["lr"] == "0.1"
     again = PeriodicEvaluation(evaluator, val, every=2)
     again.load_state_dict(periodic.state_dict())
     assert again.history == periodic.history
@@ -247,7 +252,8 @@ def test_checkpointing_resumes_and_says_when_nothing_is_left(topo, tmp_path, cap
     with caplog.at_level(logging.INFO, logger="meshwise.engine.handlers"):
         again, handler, resumed = _fit(tmp_path, max_epochs=2)
     assert handler.resumed.step == 6 and again.state.iteration == 6 and again.state.output is None
-    assert "checkpoint step 6 already completes this run (max_epochs=2): nothing left to train" in caplog.text
+    said = f"checkpoint step 6 in {handler.checkpointer.root} already completes this run (max_epochs=2): nothing left"
+    assert said in caplog.text and "delete that folder or give the run another one" in caplog.text, caplog.text
     assert torch.equal(resumed.weight, model.weight)
     more, handler, _ = _fit(tmp_path, max_epochs=3)  # one more epoch from the checkpoint of epoch 2
     assert handler.resumed.step == 6 and more.state.iteration == 9 and more.state.epoch == 3

@@ -118,7 +118,7 @@ def test_stopped_and_resumed_on_another_mesh_equals_one_process(runs):
 def test_exported_folder_reloads_bit_equal(runs):
     from transformers import AutoModelForCausalLM
 
-    from meshwise.checkpoint.export import read_model
+    from meshwise.checkpoint.consolidated import read_model
 
     base, out, unbroken = runs
     for name, probe in (("broken", out[0]["resumed"]["logits"]), ("unbroken", unbroken["logits"])):

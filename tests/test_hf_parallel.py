@@ -239,7 +239,7 @@ def test_auto_plan_translation_and_tp4_refusal():
 
     import meshwise
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import hf_tp_plan
+    from meshwise.hf.plans import hf_tp_plan
 
     model = llama()
     plan = hf_tp_plan(model, 2)
@@ -257,7 +257,7 @@ def test_auto_plan_translation_and_tp4_refusal():
 
 def test_bad_auto_plans_are_refused():
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import hf_tp_plan
+    from meshwise.hf.plans import hf_tp_plan
 
     model = llama()
     model._tp_plan = {**model._tp_plan, "model.layers.*.self_attn.nope": "colwise"}
@@ -279,7 +279,7 @@ def test_gpt2_conv1d_is_refused():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import hf_tp_plan
+    from meshwise.hf.plans import hf_tp_plan
 
     model = GPT2LMHeadModel(
         GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0)
@@ -328,7 +328,7 @@ def test_hf_model_under_context_parallel_refuses_labels_and_missing_positions():
     # The calls a user ported from a one-process HF script would make: labels= (shifted inside each rank's
     # chunk, wrong across chunk borders) and no position_ids (RoPE would number each chunk from 0).
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import hf_context_parallel
+    from meshwise.hf.attention import hf_context_parallel
 
     model = hf_context_parallel(llama(), attn=object())  # the hooks fire before any attention runs
     ids = torch.zeros(1, T, dtype=torch.long)
@@ -337,3 +337,27 @@ def test_hf_model_under_context_parallel_refuses_labels_and_missing_positions():
         model(input_ids=ids, position_ids=positions, labels=ids)
     with pytest.raises(ParallelError, match="position_ids"):
         model(input_ids=ids)
+
+
+def test_pipeline_pieces_must_compute_the_models_forward():
+    """One process: a decoder whose own forward computes more than its pieces in a row (Cohere's logit_scale after
+    the head), or whose pieces cannot run on their own (Gemma3's per-layer-type rotary embeddings), is refused
+    before any stage is cut; a Llama's pieces are its forward."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    from meshwise.errors import ParallelError
+    from meshwise.hf.pipeline import check_pieces
+
+    check_pieces(llama())
+    sizes = {k: v for k, v in hf_tiny.config().to_dict().items() if k in ("hidden_size", "num_hidden_layers")}
+    config = CohereConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64, vocab_size=64)
+    torch.manual_seed(0)
+    with pytest.raises(ParallelError, match=r"CohereForCausalLM's own forward computes more than its pipeline pieces"):
+        check_pieces(CohereForCausalLM(config).double())
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    # sliding and full layers, rotary embeddings per layer type: the pieces fail alone (a stage would fail on its
+    # rank only while the others wait in a recv; the sweep saw that hang)
+    gemma = Gemma3TextConfig(**sizes, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64)
+    with pytest.raises(ParallelError, match=r"Gemma3ForCausalLM's pipeline pieces do not run on their own"):
+        check_pieces(Gemma3ForCausalLM(gemma).double())

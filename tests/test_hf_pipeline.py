@@ -200,7 +200,7 @@ def test_pp2_tp2_auto_plan_with_ignored_labels_matches_one_process(ranks):
 
 
 def test_stages_chain_to_the_full_logits_under_full_names():
-    from meshwise.parallel.pipeline import _prune, pipeline_units, stage_cuts
+    from meshwise.parallel.stages import _prune, pipeline_units, stage_cuts
 
     model = llama()
     layers = [f"model.layers.{k}" for k in range(4)]
@@ -222,7 +222,7 @@ def test_stages_chain_to_the_full_logits_under_full_names():
 def test_cuts_follow_the_models_own_pipeline_plan():
     # The pieces come from config.base_model_pp_plan and the class's _pp_plan, not from Llama's attribute names:
     # a model whose plan calls its layer list "blocks" cuts at "model.blocks.k" and chains to the same logits.
-    from meshwise.parallel.pipeline import _prune, pipeline_units, stage_cuts
+    from meshwise.parallel.stages import _prune, pipeline_units, stage_cuts
 
     model = llama()
     ids = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(2))
@@ -254,7 +254,7 @@ def test_cuts_follow_the_models_own_pipeline_plan():
 )
 def test_bad_cuts_raise_naming_the_valid_paths(cut, stages, match):
     from meshwise.errors import ParallelError
-    from meshwise.parallel.pipeline import stage_cuts
+    from meshwise.parallel.stages import stage_cuts
 
     with pytest.raises(ParallelError, match=match):
         stage_cuts(llama(), stages, cut)
@@ -262,8 +262,8 @@ def test_bad_cuts_raise_naming_the_valid_paths(cut, stages, match):
 
 def test_tied_embeddings_are_found_at_the_cut():
     # trained at pp=2 equal to one process in tests/test_pipeline_tied.py
-    from meshwise.parallel.pipeline import stage_cuts
     from meshwise.parallel.pipeline_shared import find_shared
+    from meshwise.parallel.stages import stage_cuts
 
     model = llama(tie=True)
     shared = find_shared(model, stage_cuts(model, 2))

@@ -190,7 +190,7 @@ def _all_meshes(folder: str, fix: bool = True) -> list[dict]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     import meshwise
-    from meshwise.parallel import hf
+    from meshwise.hf import plans as hf
 
     if not fix:  # the behaviour before: q_norm/k_norm (and MLA's rotary key) left whole, partial gradients unsummed
         hf.STYLES[hf.GRAD_ALLREDUCE] = hf.STYLES["mla_kv_a_proj"] = None
@@ -265,7 +265,7 @@ def test_every_installed_plan_string_is_translated_or_refused():
     from torch.distributed.tensor.parallel import ParallelStyle
 
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import REFUSED, STYLES, hf_tp_plan
+    from meshwise.hf.plans import REFUSED, STYLES, hf_tp_plan
 
     used = installed_plan_strings()
     unknown = {name: where for name, where in used.items() if name not in STYLES and name not in REFUSED}
@@ -285,7 +285,7 @@ def test_every_installed_plan_string_is_translated_or_refused():
 def test_translation_of_the_variant_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from meshwise.parallel.hf import ReplicatedWithGradAllReduce, hf_tp_plan
+    from meshwise.hf.plans import ReplicatedWithGradAllReduce, hf_tp_plan
 
     plan = hf_tp_plan(build("qwen3_variants"), 2)
     assert "model.norm" not in plan and "model.layers.*.input_layernorm" not in plan  # 'replicate': left whole
@@ -297,7 +297,7 @@ def test_translation_of_the_variant_plan():
 
 def test_unmatched_keys_are_skipped_but_a_plan_matching_nothing_is_refused():
     from meshwise.errors import ParallelError
-    from meshwise.parallel.hf import hf_tp_plan
+    from meshwise.hf.plans import hf_tp_plan
 
     for family in ("qwen2_moe", "qwen3_moe"):  # every layer sparse: the dense mlp.* keys name nothing
         model = build(family)
@@ -346,3 +346,22 @@ def test_gpt2_is_refused_for_its_conv1d():
     with pytest.raises(ParallelError, match=r"'transformer.h.0.attn.c_attn', a Conv1D, .* only nn.Linear"):
         plan = {"transformer.h.*.attn.c_attn": ColwiseParallel()}  # a hand-written plan meets the same wall
         meshwise.parallelize(GPT2LMHeadModel(config), _TpTopology(), tp_plan=plan)
+
+
+def test_a_parameter_meeting_sharded_activations_in_no_plan_entry_is_refused():
+    """A whole parameter that meets colwise-sharded activations and no plan entry would get a partial gradient on
+    each tp rank (Apertus's xIELU alpha_p/alpha_n, Param2MoE's q_norm/k_norm): refused before any sharding, naming
+    the parameters and the entry to add; with the entry (Qwen3's own plan) the model is planned."""
+    from meshwise.errors import ParallelError
+    from meshwise.hf.plans import hf_tp_plan
+
+    model = build("qwen3")
+    hf_tp_plan(model, 2)  # its own plan gives q_norm/k_norm replicated_with_grad_allreduce
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if not k.endswith(("q_norm", "k_norm"))}
+    with pytest.raises(
+        ParallelError,
+        match=r"leaves \['model.layers.0.self_attn.k_norm.weight', 'model.layers.0.self_attn.q_norm.weight'.*"
+        r"in no plan entry.*\['model.layers.\*.self_attn.k_norm', 'model.layers.\*.self_attn.q_norm'\].*"
+        r"replicated_with_grad_allreduce",
+    ):
+        hf_tp_plan(model, 2)

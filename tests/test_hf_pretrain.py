@@ -1,16 +1,16 @@
-"""examples/hf_pretrain/train.py under `meshwise run`: a run stopped after step k and resumed in the same folder
-continues mid-epoch with exactly the losses of an unbroken run: packed rows of a `datasets.Dataset` at dp=2 x tp=2
-against one process, and (slow: three more launches, at dp=2) a `datasets` stream with padded labels against an
-unbroken run on the same mesh (tests/test_streaming_sources.py compares streams with one process at dp=2 x cp=2)."""
+"""examples/hf_pretrain/train.py run as `meshwise run` runs it: a run stopped after step k and resumed in the same
+folder continues mid-epoch with exactly the losses of an unbroken run: packed rows of a `datasets.Dataset` at
+dp=2 x tp=2 against one process, and (slow: three more launches, at dp=2) a `datasets` stream with padded labels
+against an unbroken run on the same mesh (tests/test_streaming_sources.py compares streams with one process at
+dp=2 x cp=2)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from meshwise.testing import run_command
+from meshwise.testing import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_pretrain" / "train.py"
 MESHES = {"packed": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}  # the stream's data-rank split needs only dp
@@ -18,12 +18,13 @@ STEPS, STOP = 6, 3
 
 
 def _losses(run_dir: Path, source: str, *extra: str, one_process: bool = False) -> tuple[dict[int, float], str]:
-    """One launch (or one plain process); the per-step losses rank 0 printed, by step, and the last line."""
+    """One run of the unmodified script as `meshwise run` runs it (or as one plain process), on forked ranks
+    (`run_script`; the launcher itself is tested in test_topology/test_first_hour); the per-step losses rank 0
+    printed, by step, and the last line."""
     args = ["--run-dir", str(run_dir), "--steps", str(STEPS), "--double", *extra]
-    nproc, mesh = MESHES[source]
-    launch = [sys.executable, "-m", "meshwise.launch", "run", "--nproc-per-node", nproc, "--mesh", mesh]
-    command = [sys.executable, str(SCRIPT), "--mesh", "dp=1"] if one_process else [*launch, str(SCRIPT)]
-    out = run_command([*command, *args], timeout=240, env={"HF_DATASETS_OFFLINE": "1"}).stdout
+    nproc, mesh = ("1", None) if one_process else MESHES[source]
+    args = [*args, "--mesh", "dp=1"] if one_process else args
+    out = run_script(SCRIPT, int(nproc), args, mesh=mesh, timeout=240, env={"HF_DATASETS_OFFLINE": "1"})[0]
     losses = {int(w[1]): float(w[3]) for w in (x.split() for x in out.splitlines()) if w[:1] == ["step"]}
     return losses, [x for x in out.splitlines() if x.startswith("done ")][-1]
 

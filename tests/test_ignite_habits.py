@@ -51,7 +51,7 @@ def _supervised(topo) -> dict:
     from ignite.metrics import MeanSquaredError
 
     from meshwise.data import ArrayDataset, mesh_dataloader
-    from meshwise.engine import ignite_habits as habits
+    from meshwise.engine import ignite_engine as habits
     from meshwise.testing import CollectiveCounter
 
     model = _model(topo)
@@ -116,7 +116,7 @@ def _early_stopping(topo, train, val) -> tuple[int, list[float]]:
     from ignite.handlers import EarlyStopping
     from ignite.metrics import MeanSquaredError
 
-    from meshwise.engine import ignite_habits as habits
+    from meshwise.engine import ignite_engine as habits
 
     model = _model(topo)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,7 +155,7 @@ def _misuse(topo) -> dict:
 
     import meshwise
     from meshwise.data import ArrayDataset, mesh_dataloader
-    from meshwise.engine import ignite_habits as habits
+    from meshwise.engine import ignite_engine as habits
 
     data = _data(64)
     pairs = TensorDataset(data["input"], data["target"])
@@ -214,7 +214,7 @@ def _split_mesh(topo) -> dict:
     from torch.utils.data import DataLoader, Subset, TensorDataset
 
     from meshwise.data import ArrayDataset, Shard, mesh_dataloader
-    from meshwise.engine import ignite_habits as habits
+    from meshwise.engine import ignite_engine as habits
 
     seq = {"input": torch.arange(32 * 8, dtype=torch.float64).reshape(32, 8)}
     loader = mesh_dataloader(ArrayDataset(seq), topo, global_batch_size=8, parts={"input": Shard(0)})

@@ -195,7 +195,7 @@ def _counted(kind, topo, folder, plan) -> tuple[list, int]:
     """(epoch, iteration, sample ids) of each step of an engine run as ``plan`` says, and the learnt length."""
     from ignite.engine import Events
 
-    from meshwise.engine.trainer import MeshEngine  # what create_trainer returns
+    from meshwise.engine.trainer import MeshEngine
 
     loader = make_loader(kind, topo, folder, gbs=8)  # 5 steps a pass
     seen = []

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -193,6 +194,7 @@ def test_srun_variables_build_the_topology_without_torchrun(tmp_path):
     for rank in range(4):
         env = {
             "SLURM_JOB_ID": "4242",
+            "SLURM_STEP_ID": "0",  # a task of srun's first step (the batch script has none: refused)
             "SLURM_JOB_NODELIST": "localhost",
             "SLURM_NNODES": "2",
             "SLURM_NTASKS": "4",
@@ -267,6 +269,7 @@ def test_standalone_only_for_one_node_without_a_rendezvous(argv, standalone):
 def test_slurm_allocation_fills_the_rendezvous(capsys):
     env = {
         "SLURM_JOB_ID": "777",
+        "SLURM_STEP_ID": "0",
         "SLURM_NNODES": "4",
         "SLURM_STEP_NUM_NODES": "2",  # the step runs on 2 of the allocation's 4 nodes
         "SLURM_NODEID": "1",
@@ -284,6 +287,66 @@ def test_slurm_allocation_fills_the_rendezvous(capsys):
     assert config.rdzv_endpoint == "gpu007:29999"
     args, _ = _config(["train.py"], {"SLURM_JOB_ID": "1", "SLURM_NNODES": "1"})
     assert args.standalone  # a one-node allocation is one node
+
+
+def test_the_first_nodes_launcher_hosts_slurms_rendezvous_store_until_every_node_is_done(capsys):
+    """Where meshwise chose SLURM's rendezvous, the step's first node hosts the store (torchrun's agents all join it
+    as clients) and waits for every node's launcher to count out; with MASTER_ADDR exported torchrun decides."""
+    from meshwise.slurm_rendezvous import HostedRendezvous
+
+    env = {"SLURM_JOB_ID": "778", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_STEP_NODELIST": "gpu[007,009]"}
+    first = parse_run_args(["train.py"], {**env, "SLURM_NODEID": "0", "SLURMD_NODENAME": "gpu007"})
+    second = parse_run_args(["train.py"], {**env, "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu009"})
+    assert (first.slurm_host, second.slurm_host) == (True, False)
+    assert first.node_rank == 0 and second.node_rank == 0  # c10d numbers the nodes: no torchrun warning
+    assert not hasattr(
+        parse_run_args(["train.py"], {**env, "SLURM_NODEID": "0", "MASTER_ADDR": "10.0.0.1"}), "slurm_host"
+    )
+    assert not hasattr(
+        parse_run_args(["--rdzv-endpoint", "h:1", "--rdzv-backend", "c10d", "train.py"], env), "slurm_host"
+    )
+    port = free_port()
+    for args in (first, second):
+        args.rdzv_endpoint = f"127.0.0.1:{port}"
+    host, other = HostedRendezvous(first, first.slurm_host), HostedRendezvous(second, second.slurm_host)
+    assert first.rdzv_conf == second.rdzv_conf == "is_host=0" and host.server is not None and other.server is None
+    other.finish()  # the other node's launcher counts itself out; the host then leaves at once
+    started = time.monotonic()
+    host.finish(wait_s=30)
+    assert time.monotonic() - started < 5
+    capsys.readouterr()
+
+
+def test_a_sigterm_told_twice_is_one_stop_and_the_stop_line_names_the_slurm_job(monkeypatch):
+    """scancel and scontrol requeue signal every process of the step, and torchrun forwards its own copy: a second
+    SIGTERM within seconds is the same stop, a later one ends the process at once."""
+    import logging
+    import signal
+
+    from meshwise.debug import interrupt
+
+    interrupt._STATE.__init__()
+    interrupt.loop_started()
+    try:
+        interrupt._handle(signal.SIGTERM, None)
+        interrupt._handle(signal.SIGTERM, None)  # the same stop: the loop still stops at an agreed step
+        assert interrupt.received() == signal.SIGTERM
+        interrupt._STATE.since = time.monotonic() - 60
+        with pytest.raises(SystemExit) as ended:
+            interrupt._handle(signal.SIGTERM, None)
+        assert ended.value.code == 143
+    finally:
+        interrupt.loop_ended()
+        interrupt._STATE.__init__()
+        logging.disable(logging.NOTSET)
+    record = {"signal": 15, "step": 12, "epoch": 2, "epoch_length": 8}
+    record["checkpoint"] = {"step": 12, "folder": "runs/x/checkpoints", "saved": True}
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert interrupt.stop_line(record, "meshwise run x.py", "meshwise run") == (
+        "meshwise run: stopped by SIGTERM (SLURM job 77, requeued 1 time(s)) after step 12 (epoch 2, step 4 of 8); "
+        "checkpoint saved at step 12 in runs/x/checkpoints. Resume: meshwise run x.py"
+    )
 
 
 def test_describe_shows_nodes_and_the_placement_warning(capsys):

@@ -181,31 +181,26 @@ def test_bad_inputs_in_process() -> None:
 
 
 def test_example_trains_the_same_on_4_processes_as_on_one(tmp_path) -> None:
-    """examples/physicsnemo/train.py as a user runs it: meshwise run on 4 ranks (data_parallel=1 x
-    model_parallel=4, tiles of 8, 8, 8 and 6 columns) on both routes (meshwise's halo exchange, PhysicsNeMo's
-    ShardTensor convs) and plain python on one; the float64 losses agree."""
-    import sys
-    from concurrent.futures import ThreadPoolExecutor
+    """examples/physicsnemo/train.py as `meshwise run` runs it, on forked ranks (`run_script`): 4 ranks
+    (data_parallel=1 x model_parallel=4, tiles of 8, 8, 8 and 6 columns) on both routes (meshwise's halo exchange,
+    PhysicsNeMo's ShardTensor convs) and one plain process; the float64 losses agree."""
     from pathlib import Path
 
-    from meshwise.testing import run_command
+    from meshwise.testing import run_script
 
     root = Path(__file__).resolve().parents[1]
-    script = str(root / "examples" / "physicsnemo" / "train.py")
-    meshwise_bin = str(Path(sys.executable).parent / "meshwise")
-    four = [meshwise_bin, "run", "--nproc-per-node", "4", script, "--model-parallel", "4"]
-    runs_of = {
-        "halo": [*four, "--out", str(tmp_path / "a")],
-        "shard": [*four, "--route", "shard", "--out", str(tmp_path / "c")],
-        "one": [sys.executable, script, "--out", str(tmp_path / "b")],
+    script = root / "examples" / "physicsnemo" / "train.py"
+    four = ["--model-parallel", "4"]
+    runs = {
+        "halo": run_script(script, 4, [*four, "--out", str(tmp_path / "a")], cwd=root, timeout=240)[0],
+        "shard": run_script(script, 4, [*four, "--route", "shard", "--out", str(tmp_path / "c")], cwd=root)[0],
+        "one": run_script(script, 1, ["--out", str(tmp_path / "b")], cwd=root)[0],
     }
-    with ThreadPoolExecutor(3) as pool:  # side by side: most of each run is imports, not compute
-        runs = dict(zip(runs_of, pool.map(lambda cmd: run_command(cmd, timeout=240, cwd=str(root)), runs_of.values())))
 
     def final(out: str) -> float:
         return float([line for line in out.splitlines() if line.startswith("final loss ")][-1].split()[-1])
 
     for route in ("halo", "shard"):
-        out = runs[route].stdout
+        out = runs[route]
         assert "data_parallel=1 x model_parallel=4 (world 4); " in out and f"route {route}" in out, out
-        assert abs(final(out) - final(runs["one"].stdout)) <= 1e-12, (route, out, runs["one"].stdout)
+        assert abs(final(out) - final(runs["one"])) <= 1e-12, (route, out, runs["one"])

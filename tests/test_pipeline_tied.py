@@ -397,7 +397,7 @@ def test_transformers_tied_llama_and_gpt_neox_at_pp2_match_one_process(pp2):
 
 def test_cuts_at_any_depth_and_refusals_listing_the_paths_there():
     from meshwise.errors import ParallelError
-    from meshwise.parallel.pipeline import pipeline_units, stage_cuts
+    from meshwise.parallel.stages import pipeline_units, stage_cuts
 
     model = gpt()
     blocks = [f"transformer.h.{k}" for k in range(LAYERS)]
@@ -424,7 +424,7 @@ def test_a_transformers_model_whose_plan_meshwise_cannot_follow_is_refused():
     import hf_tiny
 
     from meshwise.errors import ParallelError
-    from meshwise.parallel.pipeline import stage_cuts
+    from meshwise.parallel.stages import stage_cuts
 
     model = hf_tiny.llama(layers=2)
     model.config.base_model_pp_plan = None

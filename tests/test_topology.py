@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import sys
 import time
@@ -24,7 +25,7 @@ from meshwise.layout import (
     dims_crossing_nodes,
     placement_warnings,
 )
-from meshwise.testing import DistributedFailure, run_command, run_distributed
+from meshwise.testing import DistributedFailure, run_command, run_distributed, run_script
 from meshwise.topology import group_selections
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +165,7 @@ def test_detect_environment_for_each_launcher():
     assert (torchrun.launcher, torchrun.rank, torchrun.world_size, torchrun.local_rank) == ("torchrun", 3, 8, 1)
     slurm = detect_environment(
         {
+            "SLURM_STEP_ID": "0",
             "SLURM_PROCID": "5",
             "SLURM_NTASKS": "8",
             "SLURM_LOCALID": "1",
@@ -367,28 +369,21 @@ def test_describe_cli_and_its_errors():
     assert "   7          3            1          3   1,3,5,7       6,7" in out
     bad = run_command([str(BIN / "meshwise"), "describe", "--mesh", "dp=3,tp=2", "--world-size", "8"], check=False)
     assert bad.returncode == 2 and "holds 6 ranks but the world size is 8" in bad.stdout
-    bad = run_command([str(BIN / "meshwise"), "run", "--nproc-per-node", "4", "--mesh", "dp=3", "x.py"], check=False)
+    script = str(ROOT / "examples" / "quickstart.py")
+    bad = run_command([str(BIN / "meshwise"), "run", "--nproc-per-node", "4", "--mesh", "dp=3", script], check=False)
     assert bad.returncode == 2 and "holds 3 ranks but the world size is 4" in bad.stdout
+    bad = run_command([str(BIN / "meshwise"), "run", "--nproc-per-node", "4", "x.py"], check=False)
+    assert bad.returncode == 2 and bad.stdout.splitlines() == [
+        f"meshwise run: error: script 'x.py' not found (working directory {os.getcwd()}): check the path"
+    ]
 
 
 def test_quickstart_example_gives_the_same_numbers_on_every_mesh(tmp_path):
-    """The README's quick start, run as it is: one process and dp=2 x tp=2 print the same loss and metric."""
-    script = str(ROOT / "examples" / "quickstart.py")
-    plain = run_command([sys.executable, script, "--checkpoints", str(tmp_path / "one")], timeout=120).stdout
-    launched = run_command(
-        [
-            str(BIN / "meshwise"),
-            "run",
-            "--nproc-per-node",
-            "4",
-            "--mesh",
-            "dp=-1,tp=2",
-            script,
-            "--checkpoints",
-            str(tmp_path / "four"),
-        ],
-        timeout=180,
-    ).stdout
+    """The README's quick start, run as it is (as `python` and `meshwise run` run it, on forked ranks; the launcher
+    itself is tested above): one process and dp=2 x tp=2 print the same loss and metric."""
+    script = ROOT / "examples" / "quickstart.py"
+    plain = run_script(script, 1, ["--checkpoints", str(tmp_path / "one")])[0]
+    launched = run_script(script, 4, ["--checkpoints", str(tmp_path / "four")], mesh="dp=-1,tp=2", timeout=180)[0]
 
     def numbers(out):
         line = next(x for x in out.splitlines() if "held-out mse" in x)
@@ -472,6 +467,7 @@ def test_slurm_tasks_per_node():
 
 SRUN = {  # what srun sets for task 5 of 7 on nodes gpu[003-004],cpu1 (3 + 3 + 1 tasks), job 1234
     "SLURM_JOB_ID": "1234",
+    "SLURM_STEP_ID": "0",
     "SLURM_PROCID": "5",
     "SLURM_NTASKS": "7",
     "SLURM_LOCALID": "2",
@@ -543,6 +539,86 @@ def test_placement_warning_names_the_chatty_dim_that_crosses_nodes(mesh, nodes, 
     for d in warned:  # the advice holds: in the suggested order that dim stays inside nodes
         better = Layout.resolve(suggested, len(nodes), roles)
         assert d in dims_crossing_nodes(layout, nodes) and d not in dims_crossing_nodes(better, nodes)
+
+
+@pytest.mark.parametrize(
+    "mesh,nodes,option",
+    [
+        ("dp=2,tp=2", [0, 1, 0, 1], "srun -m block"),  # srun -m cyclic, 2 + 2: each tp pair on both nodes
+        ("dp=2,tp=2", [0, 0, 0, 1], "srun --ntasks-per-node=2"),  # srun -N 2 -n 4 (block, 3 + 1): [2,3] crosses
+        ("dp=2,tp=2", [0, 1, 0, 0], "srun --ntasks-per-node=2 -m block"),  # srun -N 2 -n 4 -m cyclic (3 + 1)
+        ("dp=2,cp=2", [0, 1, 0, 1], "srun -m block"),  # a split dim too
+        ("tp=2,dp=2", [0, 0, 0, 1], "srun --ntasks-per-node=2 and declare the batch dims first, mesh 'dp=2,tp=2'"),
+        ("dp=2,tp=2", [0, 0, 1, 1], None),  # node by node, 2 + 2: nothing to say
+        ("tp=2,dp=2", [0, 1, 0, 1], None),  # cyclic keeps tp=2,dp=2's pairs (0,2), (1,3) inside the nodes
+        ("dp=2,tp=2", [0, 1, 2, 3], None),  # one rank a node: tp crosses in any placement
+        ("dp=2,tp=4", [0, 1] * 4, "srun -m block"),  # 4 ranks a node, cyclic
+    ],
+)
+def test_placement_warning_reads_where_the_launcher_put_the_ranks(mesh, nodes, option):
+    """Placement from reality (issue 43): nodes as srun placed them, not as they would be numbered node by node."""
+    messages = [m for m in placement_warnings(Layout.resolve(mesh, len(nodes)), nodes) if "launcher placed" in m]
+    if option is None:
+        assert messages == [], messages
+        return
+    assert len(messages) == 1, messages
+    assert f"start the job with {option} (ranks numbered node by node" in messages[0], messages[0]
+    dim = "cp" if "cp" in mesh else "tp"
+    assert messages[0].startswith(f"mesh dim '{dim}' (") and "crosses nodes because of where" in messages[0]
+
+
+BATCH = {  # what a batch script of `sbatch -N 2 -n 4` sees (SLURM 22.05): rank 0 of 4, but no step
+    "SLURM_JOB_ID": "77",
+    "SLURM_PROCID": "0",
+    "SLURM_NTASKS": "4",
+    "SLURM_NPROCS": "4",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "n[1-2]",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+}
+
+
+def test_a_batch_script_without_srun_is_refused_with_the_srun_line(monkeypatch):
+    """The slip of issue 43: `python train.py` in a batch script took itself for rank 0 of 4 and waited 600 s."""
+    monkeypatch.setattr(sys, "argv", ["train.py", "--epochs", "2"])
+    with pytest.raises(TopologyError) as info:
+        detect_environment(BATCH)
+    message = str(info.value)
+    assert "allocation of 4 tasks" in message and "srun did not start it (no SLURM_STEP_ID" in message, message
+    assert "`srun -N 2 -n 4 python train.py --epochs 2`" in message, message
+    assert "`srun -N 2 --ntasks-per-node=1 meshwise run --nproc-per-node 2 train.py ...`" in message, message
+    for step in ("batch", "extern", "interactive", "4294967294"):  # steps srun did not start
+        with pytest.raises(TopologyError, match="srun did not start it"):
+            detect_environment({**BATCH, "SLURM_STEP_ID": step})
+    # srun's own tasks, one task, salloc's shell (no SLURM_PROCID), mpirun inside the allocation: as before
+    assert detect_environment({**BATCH, "SLURM_STEP_ID": "0"}).launcher == "slurm"
+    assert detect_environment({**BATCH, "SLURM_STEPID": "3"}).world_size == 4
+    one = detect_environment({**BATCH, "SLURM_NTASKS": "1", "SLURM_NNODES": "1"})
+    assert (one.launcher, one.world_size) == ("none", 1)
+    assert detect_environment({k: v for k, v in BATCH.items() if k != "SLURM_PROCID"}).launcher == "none"
+    mpi = {**BATCH, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert (detect_environment(mpi).launcher, detect_environment(mpi).rank) == ("mpi", 1)
+    torchrun = detect_environment({**BATCH, "RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"})
+    assert torchrun.launcher == "torchrun"  # meshwise run's workers in a one-node batch script
+
+
+def test_meshwise_run_in_a_multi_node_batch_script_is_refused_with_the_srun_line(capsys):
+    argv = ["--nproc-per-node", "2", "--mesh", "dp=2,tp=2", "train.py", "--epochs", "2"]
+    with pytest.raises(TopologyError) as info:
+        launch.parse_run_args(argv, BATCH)
+    message = str(info.value)
+    assert "SLURM job 77 has 2 nodes but this meshwise run was not started by srun" in message, message
+    assert "`srun -N 2 --ntasks-per-node=1 meshwise run --nproc-per-node 2 --mesh dp=2,tp=2 train.py --epochs 2`" in (
+        message
+    ), message
+    assert "node 0 of 2" not in capsys.readouterr().out  # refused before the rendezvous line
+    step = launch.parse_run_args(argv, {**BATCH, "SLURM_STEP_ID": "0"})  # under srun: one launcher per node
+    assert (step.nnodes, step.rdzv_endpoint) == ("2", "n1:20077")
+    one_node = {**BATCH, "SLURM_NNODES": "1", "SLURM_JOB_NUM_NODES": "1"}
+    assert launch.parse_run_args(argv, one_node).standalone  # one node: the batch script is the whole job
 
 
 def test_describe_shows_each_ranks_stage_and_warns_of_a_needless_stage_crossing(capsys):

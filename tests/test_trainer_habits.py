@@ -29,6 +29,11 @@ def causal_lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100)
 
 
+def summed_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The summed loss of the scored labels (0 for a row with none), for a metric that weighs rows."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+
+
 def shifting_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The usual causal-LM habit: labels are the input ids and the loss shifts them itself."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
@@ -84,6 +89,7 @@ def _difference(model, reference: dict) -> float:
 
 def _habits(topo: meshwise.Topology, folder: str, reference: dict) -> dict:
     from meshwise.engine import shift_labels
+    from meshwise.metrics import MeanLoss
 
     out: dict = {}
     batches = [_local(topo, b) for b in global_batches()]
@@ -116,6 +122,14 @@ def _habits(topo: meshwise.Topology, folder: str, reference: dict) -> dict:
     ]
     trainer.run(hf_batches, max_epochs=1)
     out["probe_then_shift_labels_field"] = _difference(model, reference)
+    # the evaluator scores transformers' shift_labels field as the trainer does, not the unshifted labels
+    losses = []
+    for data in (hf_batches, [{"input_ids": b["input_ids"], "labels": b["shift_labels"]} for b in hf_batches]):
+        evaluator = meshwise.create_evaluator(
+            model, topo, {"loss": MeanLoss(summed_loss)}, input_key="input_ids", target_key="labels"
+        )
+        losses.append(evaluator.run(data, max_epochs=1).metrics["loss"])
+    out["eval_shift_labels_field"] = abs(float(losses[0]) - float(losses[1]))
 
     # labels = input_ids with a loss_fn that shifts inside: refused on every rank at the first step
     model = _loaded(topo, folder)
@@ -158,12 +172,17 @@ def test_labels_equal_to_inputs_are_refused_on_every_rank(ranks):
         assert "shift_labels" in r["habit_error"], r
 
 
+def test_the_evaluator_scores_the_shift_labels_field(ranks):
+    for r in ranks:
+        assert r["eval_shift_labels_field"] <= 1e-12, r
+
+
 def test_differences_measured(ranks):
     print("vs one process:", {k: v for k, v in ranks[0].items() if not k.endswith("error")})
 
 
 def test_labels_unshifted_tells_the_habit_from_shifted_targets():
-    from meshwise.engine.batch import labels_unshifted
+    from meshwise.causal_lm import labels_unshifted
 
     ids = torch.tensor([[5, 9, 2, 7, 3, 8], [1, 4, 4, 6, 0, 2]])
     labels = ids.clone()

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 from meshwise import debug, topology
 from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MeshwiseError
 from meshwise.topology import Topology, current, init, shutdown
+from meshwise.version import __version__
 
 if TYPE_CHECKING:
     from meshwise.checkpoint import Checkpointer
     from meshwise.engine import create_evaluator, create_trainer
     from meshwise.parallel import parallelize
 
-__version__ = "0.1.0"
 
 # The debug watchdog (layer 2) starts with every topology and stops before its process group goes. It is
 # registered here, once: the topology (layer 1) does not import the layers above it.
@@ -48,6 +48,7 @@ _SUBMODULES = {
     "engine",
     "checkpoint",
     "physicsnemo",
+    "hf",
     "debug",
     "plot",
     "testing",

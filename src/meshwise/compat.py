@@ -1,6 +1,6 @@
-"""The one door to the private names of torch, pytorch-ignite, torchmetrics, datasets, transformers and PhysicsNeMo
-that meshwise leans on: one function or constant per name, each saying what the name is and which public API would
-replace it.
+"""The one door to the private names of torch, pytorch-ignite, torchmetrics, datasets, transformers, PhysicsNeMo
+and DeepSpeed that meshwise leans on: one function or constant per name, each saying what the name is and which
+public API would replace it.
 
 Nothing else in meshwise touches another package's ``_underscore`` name. ``tests/test_compat.py`` checks every
 entry here and fails, naming the name and the package version, when an upgrade removes or changes one; the list,
@@ -28,6 +28,7 @@ __all__ = [
     "dcp_shard_prefix",
     "dcp_storage_info",
     "dcp_stream_extensions",
+    "deepspeed_compatible_ops",
     "default_store",
     "event_handlers",
     "fake_store",
@@ -372,6 +373,19 @@ def shard_function_registry() -> dict[Any, Any]:
     from physicsnemo.domain_parallel import ShardTensor
 
     return dict(getattr(ShardTensor, "_function_registry", None) or {})
+
+
+# =========================================================================== DeepSpeed
+
+
+def deepspeed_compatible_ops() -> dict[str, bool]:
+    """``deepspeed.ops.__compatible_ops__``: DeepSpeed's verdict, probed once per process, of which ops can be built
+    here; its CPU backend compiles ``deepspeed_shm_comm`` at ``init_distributed`` when the verdict is True. The dict
+    is cached in the module and read again by every builder, so an edit holds for the process. No public switch:
+    the probe reads only the platform (the op's ``is_compatible``), no setting or environment variable."""
+    import deepspeed.ops
+
+    return deepspeed.ops.__compatible_ops__
 
 
 # =========================================================================== checkpoints read as data

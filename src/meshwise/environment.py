@@ -12,6 +12,8 @@ import itertools
 import math
 import os
 import re
+import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +29,8 @@ __all__ = [
     "expand_nodelist",
     "parse_tasks_per_node",
     "slurm_job",
+    "slurm_srun_step",
+    "srun_advice",
     "slurm_master_addr",
     "slurm_master_port",
 ]
@@ -259,6 +263,48 @@ def _int(env: Mapping[str, str], key: str) -> int:
         ) from None
 
 
+# Step ids SLURM gives what srun did not start: the batch script, the external step, salloc's interactive step.
+_NOT_SRUN_STEPS = {"batch", "extern", "interactive", "4294967290", "4294967293", "4294967294", "4294967295"}
+
+
+def slurm_srun_step(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a task of an ``srun`` step: srun sets ``SLURM_STEP_ID`` (0, 1, ...) for each task;
+    the batch script of ``sbatch`` (which also sees ``SLURM_PROCID=0`` and the allocation's ``SLURM_NTASKS``) and
+    ``salloc``'s shell have none, or a special one (batch, extern, interactive)."""
+    env = os.environ if env is None else env
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "")).strip()
+    return bool(step) and step.lower() not in _NOT_SRUN_STEPS
+
+
+def srun_advice(env: Mapping[str, str], argv: list[str] | None = None, meshwise_run: bool = False) -> str:
+    """The srun line that starts this command (``argv``, default ``sys.argv``) on every task of the allocation in
+    ``env`` (``srun -N 2 -n 4 python train.py ...``), or with ``meshwise_run`` once per node
+    (``srun --ntasks-per-node=1 meshwise run ...``: ``argv`` is then meshwise run's arguments)."""
+    argv = list(sys.argv if argv is None else argv)
+    nodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES") or "1"
+    node_option = f"-N {nodes} " if nodes != "1" else ""
+    if meshwise_run:
+        return f"srun {node_option}--ntasks-per-node=1 " + shlex.join(["meshwise", "run", *argv])
+    tasks = env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or "N"
+    script = argv[0] if argv and argv[0] not in ("", "-c", "-m") else "train.py"
+    return f"srun {node_option}-n {tasks} " + shlex.join(["python", script, *argv[1:]])
+
+
+def _not_srun_error(env: Mapping[str, str]) -> TopologyError:
+    tasks = _int(env, "SLURM_NTASKS")
+    nodes = _int(env, "SLURM_NNODES") if env.get("SLURM_NNODES") else 1
+    per_node = tasks // nodes if nodes and tasks % nodes == 0 else "K"
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "train.py"
+    return TopologyError(
+        f"this process sees SLURM job {env.get('SLURM_JOB_ID', '?')}'s allocation of {tasks} tasks "
+        f"(SLURM_NTASKS={tasks}) but srun did not start it (no SLURM_STEP_ID: it is the batch script itself), so as "
+        f"rank {env.get('SLURM_PROCID')} of {tasks} it would wait for {tasks - 1} ranks that never start. Start one "
+        f"task per rank with srun: `{srun_advice(env)}`, or one meshwise run per node: `srun "
+        f"{f'-N {nodes} ' if nodes > 1 else ''}--ntasks-per-node=1 meshwise run --nproc-per-node {per_node} "
+        f"{shlex.quote(script)} ...`"
+    )
+
+
 def _slurm_environment(env: Mapping[str, str]) -> Environment:
     """``srun python train.py``: one task per rank, no torchrun."""
     rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
@@ -284,9 +330,11 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
     """Read torchrun/elastic, SLURM (srun) or OpenMPI (mpirun) variables; a plain process is world 1.
 
     torchrun's variables win over SLURM's, so ``srun meshwise run ...`` (torchrun inside an allocation)
-    is read as torchrun. Under srun alone the master address is the step's first node (from the node
-    list, parsed strictly) and the port comes from the job id, unless ``MASTER_ADDR``/``MASTER_PORT``
-    are exported.
+    is read as torchrun. A process that sees an allocation of several tasks but is no task of srun (``python
+    train.py`` in a batch script: ``SLURM_PROCID=0``, no ``SLURM_STEP_ID``) is a :class:`TopologyError` at once,
+    naming the srun line, instead of rank 0 waiting for ranks that never start. Under srun alone the master
+    address is the step's first node (from the node list, parsed strictly) and the port comes from the job id,
+    unless ``MASTER_ADDR``/``MASTER_PORT`` are exported.
     """
     env = os.environ if env is None else env
     dry = dry_run_spec(env)
@@ -309,7 +357,12 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
             _int(env, "TORCHELASTIC_RESTART_COUNT") if env.get("TORCHELASTIC_RESTART_COUNT") else 0,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return _slurm_environment(env)
+        if slurm_srun_step(env):
+            return _slurm_environment(env)
+        # Not a task of srun: the batch script (SLURM_PROCID=0 of the allocation's SLURM_NTASKS) would wait for
+        # ranks that never start. mpirun inside the allocation brings its own variables; one task is one process.
+        if "OMPI_COMM_WORLD_RANK" not in env and _int(env, "SLURM_NTASKS") > 1:
+            raise _not_srun_error(env)
     if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
         size, local = _int(env, "OMPI_COMM_WORLD_SIZE"), int(env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
         if "MASTER_ADDR" not in env and local != size:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "CollectiveError",
@@ -15,6 +18,7 @@ __all__ = [
     "ParallelError",
     "PlacementWarning",
     "TopologyError",
+    "import_extra",
 ]
 
 
@@ -63,4 +67,23 @@ class DataWarning(UserWarning):
 
 
 class PlacementWarning(UserWarning):
-    """A chatty (``replica``/``split``) mesh dim crosses nodes where a ``batch`` dim could have instead."""
+    """The mesh places work or memory where it costs more than it must; the run is still correct. Three cases:
+
+    - a chatty (``replica``/``split``) dim crosses nodes where a ``batch`` dim could have instead, or the
+      launcher put a group's ranks on several nodes (``srun -m cyclic``): the message names the dim order or the
+      launcher option (``-m block``, ``--ntasks-per-node``) that keeps it inside one node (:func:`meshwise.init`,
+      rank 0);
+    - a replica dim of more than one rank but ``parallelize`` got no ``tp_plan``: those ranks repeat the same
+      work on the same samples (pass a plan, or drop the dim);
+    - FSDP2 shards parameters that have fewer rows than the data-parallel ranks: the trailing ranks hold empty
+      shards and the memory sits on the first ones (the message gives a ``shard_placement_fn``).
+    """
+
+
+def import_extra(module: str, needed_by: str, install: str) -> Any:
+    """``importlib.import_module(module)`` of an optional extra, or a :class:`TopologyError` that names who needs
+    it and how to install it (``install``: the command and the page that says more)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TopologyError(f"{needed_by} needs {module.split('.')[0]}: {install}") from exc

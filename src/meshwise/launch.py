@@ -1,17 +1,21 @@
 """The ``meshwise`` command line: ``run`` (torchrun with a mesh, SLURM-aware; ``--dry-run`` plays one rank of a
-planned world in this process), ``describe``, ``plot`` and ``export`` (one plain state_dict file from a
+planned world in this process), ``describe``, ``plot``, ``report`` and ``export`` (one plain state_dict file from a
 checkpoint)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import logging
 import os
 import runpy
+import shlex
 import shutil
+import signal
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from meshwise.environment import (
     DRY_RUN_VARIABLE,
@@ -20,14 +24,38 @@ from meshwise.environment import (
     slurm_job,
     slurm_master_addr,
     slurm_master_port,
+    slurm_srun_step,
+    srun_advice,
 )
-from meshwise.errors import MeshwiseError
+from meshwise.errors import MeshwiseError, TopologyError
 from meshwise.layout import Layout
+
+# The command line imports the layers a command needs inside that command (the imports inside functions below):
+# `meshwise run` must start torchrun without loading torch.distributed, the engine or matplotlib first.
 
 __all__ = ["COMMANDS", "main", "parse_run_args"]
 
+_RUN_HELP = """\
+usage: meshwise run [options] SCRIPT.py [script arguments]      (or: meshwise run [options] -m MODULE ...)
+
+Run SCRIPT on every process of a mesh, with torchrun underneath. The script is checked before any process
+starts; a failed run ends with its first error (which rank, the message, where); Ctrl-C or SIGTERM stops
+every rank after the same step (a checkpoint first, where Checkpointing is attached) and ends with the
+command that resumes it.
+
+meshwise options:
+  --nproc-per-node N          processes on this node (default 1)
+  --mesh SPEC                 mesh sizes, e.g. dp=-1,tp=2, read by meshwise.init() (exported as MESHWISE_MESH);
+                              a different mesh given to meshwise.init() in the script is an error
+  --roles SPEC                roles of dims without a default, e.g. space=split
+  --timeout SECONDS           collective timeout (default 600)
+  --dry-run --world-size N --rank R
+                              play one rank of a planned world in this process (docs/dryrun.md)
+
+"""
+
 _MULTI_NODE_HELP = """\
-several nodes (run the same command on every node; see README "Running on a cluster"):
+several nodes (run the same command on every node; docs/cluster.md, "meshwise run"):
   --nnodes N                  number of nodes (MIN:MAX for an elastic job)
   --rdzv-backend c10d         rendezvous through a TCP store that the node at the endpoint hosts
   --rdzv-endpoint HOST:PORT   that node's address, the same on every node
@@ -41,7 +69,23 @@ several nodes (run the same command on every node; see README "Running on a clus
 Without any of these on one node, meshwise run rendezvouses on a free port (torchrun --standalone).
 Inside a SLURM allocation of several nodes (srun --ntasks-per-node 1 meshwise run ...), --nnodes,
 --node-rank and a c10d rendezvous at the step's first node default to SLURM's values.
+
+Every other torchrun option is accepted and reaches torchrun unchanged: meshwise run --help-torchrun lists them.
 """
+
+# torchrun's log lines that meshwise run's own summary replaces (a failed run's story, a stop's one line).
+_TORCHRUN_NOISE = (
+    "Sending process %s closing signal",
+    "Closing process %s via signal",
+    "Received %s death signal",
+    "failed (exitcode: %s)",
+    "Got termination signal",
+)
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.agent.server.local_elastic_agent",
+)
 
 # Options that say where to rendezvous: given any of them, torchrun's own rules apply, never --standalone.
 _RENDEZVOUS_OPTIONS = (
@@ -83,7 +127,7 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
     env = os.environ if env is None else env
     parser = _run_parser()
     args = parser.parse_args(list(argv))
-    _fill_from_slurm(args, env)
+    _fill_from_slurm(args, env, argv)
     _standalone_by_default(args, argv, parser, env)
     return args
 
@@ -91,9 +135,20 @@ def parse_run_args(argv: Sequence[str], env: Mapping[str, str] | None = None) ->
 def _run(argv: Sequence[str]) -> int:
     from torch.distributed import run as torchrun
 
-    if "--dry-run" in _launcher_tokens(argv):
+    tokens = _launcher_tokens(argv)
+    if "--help-torchrun" in tokens:
+        _run_parser().print_help()
+        return 0
+    if "-h" in tokens or "--help" in tokens or not argv:
+        print(_RUN_HELP + _MULTI_NODE_HELP, end="")
+        return 0
+    if "--dry-run" in tokens:
         return _dry_run(argv)
     args = parse_run_args(argv)
+    problem = _script_problem(args)
+    if problem:
+        print(f"meshwise run: error: {problem}", file=sys.stderr)
+        return 2
     if args.mesh is not None:
         world = _planned_world(args)
         if world:
@@ -103,21 +158,183 @@ def _run(argv: Sequence[str]) -> int:
         os.environ["MESHWISE_ROLES"] = args.roles
     if args.timeout is not None:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from meshwise.debug.crash import INDEX_VARIABLE, reports_note
+    from meshwise.debug.crash import INDEX_VARIABLE
+    from meshwise.slurm_rendezvous import HostedRendezvous
 
-    # Each rank names its crash report here, so a rank that gloo aborts (no Python exception) is pointed to.
-    index = tempfile.mkdtemp(prefix="meshwise-reports-")
-    os.environ[INDEX_VARIABLE] = index
+    if "OMP_NUM_THREADS" not in os.environ and str(args.nproc_per_node) not in ("1", "cpu"):
+        os.environ["OMP_NUM_THREADS"] = "1"  # torchrun's own default, set here without its 4-line banner
+    hosted = HostedRendezvous(args, host=args.slurm_host) if hasattr(args, "slurm_host") else None  # else torchrun's
+    # Each rank names its crash report and error here, rank 0 what a stop left: the last lines come from them. So
+    # does torchrun's folder (else left in the system temp folder) unless --log-dir, --redirects or --tee want it.
+    index = _launcher_folder()
+    os.environ[INDEX_VARIABLE] = str(index)
+    if args.log_dir is None and args.redirects == "0" and args.tee == "0":
+        args.log_dir = str(index / "torchrun")
+    noise = _QuietTorchrun()
+    command = shlex.join(["meshwise", "run", *argv])
     try:
         torchrun.run(args)
+        if hosted is not None:
+            hosted.finish()
+    except SignalException as exc:
+        return _stopped(index, int(exc.sigval), command)
+    except KeyboardInterrupt:  # before torchrun took over the signals
+        return _stopped(index, signal.SIGINT, command)
     except ChildFailedError as exc:
-        print(exc.format_msg() + reports_note(index), file=sys.stderr)
+        if hosted is not None:
+            hosted.finish()
+        stop = _stop_record(index)
+        codes = {f.exitcode for f in exc.failures.values()}
+        if stop is not None or codes <= {130, 143, -signal.SIGINT, -signal.SIGTERM}:
+            # the ranks got the signal directly (scancel, srun) and stopped: not a failure
+            sig = (stop or {}).get("signal") or (signal.SIGTERM if codes & {143, -signal.SIGTERM} else signal.SIGINT)
+            return _stopped(index, int(sig), command)
+        print(failure_story(exc, index), file=sys.stderr, flush=True)
         return 1
     finally:
+        noise.remove()
         shutil.rmtree(index, ignore_errors=True)
     return 0
+
+
+def _launcher_folder() -> Path:
+    """``RUN_DIR/.meshwise-run-HOST-PID``: this launcher's index of the ranks' reports, in the run folder."""
+    host = "".join(c if c.isalnum() or c in "-_." else "_" for c in os.uname().nodename)
+    folder = Path(os.environ.get("MESHWISE_RUN_DIR") or "runs").absolute() / f".meshwise-run-{host}-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)  # a folder of a killed launcher whose pid this one got
+    try:
+        folder.mkdir(parents=True)
+    except OSError as exc:
+        raise MeshwiseError(
+            f"cannot create {folder} ({exc.strerror}): crash and hang reports go to the run folder "
+            "(MESHWISE_RUN_DIR, else runs/ here); make it writable or set MESHWISE_RUN_DIR"
+        ) from None
+    return folder
+
+
+class _QuietTorchrun(logging.Filter):
+    """Drops torchrun's lines about closing workers: meshwise run says what happened in its own last lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in _TORCHRUN_LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(str(record.msg).startswith(text) for text in _TORCHRUN_NOISE)
+
+    def remove(self) -> None:
+        for name in _TORCHRUN_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
+
+
+def _script_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the script before any worker starts: missing, not a file, or not valid Python."""
+    script = args.training_script
+    if args.module:
+        if importlib.util.find_spec(script.split(".")[0]) is None:
+            return f"no module named {script.split('.')[0]!r} (for -m {script}) on this Python's path"
+        return None
+    if args.no_python:
+        if shutil.which(script) is None and not os.access(script, os.X_OK):
+            return f"{script!r} is not an executable on PATH or a path to one (given with --no-python)"
+        return None
+    if not os.path.exists(script):
+        return f"script {script!r} not found (working directory {os.getcwd()}): check the path"
+    if not os.path.isfile(script):
+        return f"script {script!r} is not a file"
+    try:
+        with open(script, "rb") as f:
+            compile(f.read(), script, "exec")
+    except SyntaxError as exc:
+        return f"{script}:{exc.lineno}: {exc.msg}: the script is not valid Python, so no process was started"
+    except (OSError, ValueError) as exc:
+        return f"cannot read script {script!r}: {exc}"
+    return None
+
+
+def _stop_record(index: str | os.PathLike[str]) -> dict | None:
+    from meshwise.debug.interrupt import STOP_FILE
+
+    try:
+        return json.loads(Path(index, STOP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _stopped(index: str | os.PathLike[str], sig: int, command: str) -> int:
+    """A run stopped by a signal: one line (which signal, which SLURM job, where it stopped, how to resume), exit
+    code 128 + the signal. Later signals are ignored meanwhile (torchrun's handler would raise a traceback)."""
+    from meshwise.debug.interrupt import slurm_job_note, stop_line
+
+    for each in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(each, signal.SIG_IGN)
+    record = _stop_record(index)
+    if record is None:
+        name = signal.Signals(sig).name + slurm_job_note()
+        line = f"meshwise run: stopped by {name} before a training step ended; run again: {command}"
+    else:
+        line = stop_line(record, command, "meshwise run")
+    print(line, file=sys.stderr, flush=True)
+    return 128 + sig
+
+
+def failure_story(exc: Exception, index: str) -> str:
+    """The last lines of a failed run: which ranks failed, where their reports are, then the first root cause
+    (which rank, where, its error and message: meshwise's messages end with the fix)."""
+    from meshwise.debug.crash import compact, left_reports, read_failures, summary
+
+    failures = dict(getattr(exc, "failures", {}))  # global rank -> torchrun's ProcessFailure
+    records = read_failures(index)
+    reports = left_reports(index)
+    for path, _ in reports.values():
+        compact(path)
+    first_rank = min(failures, key=lambda r: failures[r].timestamp) if failures else None
+    roots = sorted((r for r in records.values() if not r["collective"]), key=lambda r: r["time"])
+    silent = [r for r in failures if r not in records]  # ended without a Python exception meshwise saw
+    if roots:
+        root: dict | None = roots[0]
+    elif silent:
+        root = None
+        first_rank = first_rank if first_rank in silent else silent[0]
+    else:
+        root = min(records.values(), key=lambda r: r["time"]) if records else None
+
+    lines = []
+    ranks = sorted(set(failures) | set(records))
+    folders = sorted({str(Path(p).parent) for p, _ in reports.values()})
+    head = f"meshwise run: {len(ranks)} rank(s) failed ({', '.join(map(str, ranks))})"
+    if folders:
+        head += f"; each one's report (last collectives, traceback): {', '.join(folders)}"
+    lines.append(head)
+    if root is not None:
+        others = sorted(r for r, rec in records.items() if r != root["rank"])
+        same = [r for r in others if (records[r]["type"], records[r]["message"]) == (root["type"], root["message"])]
+        after = [r for r in others if r not in same]
+        if same:
+            lines.append(f"meshwise run: ranks {', '.join(map(str, same))} failed with the same error")
+        if after:
+            kinds = sorted({records[r]["type"] for r in after})
+            lines.append(f"meshwise run: ranks {', '.join(map(str, after))} failed after it ({', '.join(kinds)})")
+        where = f" at {root['site']}" if root.get("site") else ""
+        lines.append(f"meshwise run: the first error, on {root['label']}{where}:")
+        lines.append(f"{root['type']}: {root['message']}")
+    elif first_rank is not None:
+        failure = failures[first_rank]
+        how = (
+            f"was killed by {failure.signal_name()}"
+            if failure.exitcode < 0
+            else f"exited with code {failure.exitcode} without a Python exception meshwise saw (an error before "
+            "meshwise.init, or sys.exit): its own output above says why"
+        )
+        report = reports.get(first_rank)
+        if report is not None:
+            how += f" ({summary(report[1])}; report {report[0]})"
+        lines.append(f"meshwise run: the first failure: rank {first_rank} {how}")
+    return "\n".join(lines)
 
 
 def _launcher_tokens(argv: Sequence[str]) -> list[str]:
@@ -153,6 +370,8 @@ def _dry_run_parser() -> argparse.ArgumentParser:
 
 def _dry_run(argv: Sequence[str]) -> int:
     """``meshwise run --dry-run``: the script as one rank of a planned world; the report on stdout."""
+    import torch
+
     from meshwise import dryrun, topology
 
     args = _dry_run_parser().parse_args(list(argv))
@@ -170,7 +389,7 @@ def _dry_run(argv: Sequence[str]) -> int:
     saved_env = {k: os.environ.get(k) for k in planned}
     os.environ.update(planned)
     recorder = dryrun.begin(spec.steps)
-    saved_argv, saved_path = list(sys.argv), list(sys.path)
+    saved_argv, saved_path, saved_dtype = list(sys.argv), list(sys.path), torch.get_default_dtype()
     sys.argv = [args.training_script, *args.training_script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.training_script)))
     code = 0
@@ -180,6 +399,7 @@ def _dry_run(argv: Sequence[str]) -> int:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         sys.argv, sys.path = saved_argv, saved_path
+        torch.set_default_dtype(saved_dtype)  # a script's torch.set_default_dtype ends with it, as in its process
         topology.shutdown()  # a script that did not call meshwise.shutdown() leaves the fake group here
         dryrun.end()
         dryrun.leave_ignite()
@@ -249,18 +469,28 @@ def _planned_world(args: argparse.Namespace) -> int | None:
     return nnodes * nproc
 
 
-def _fill_from_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+def _fill_from_slurm(args: argparse.Namespace, env: Mapping[str, str], argv: Sequence[str] = ()) -> None:
     """Inside a SLURM step on several nodes with no --nnodes given: one meshwise run per node meets the others."""
     job = slurm_job(env)
     if job is None or job.num_nodes <= 1 or str(args.nnodes) != "1:1":
         return
+    if not slurm_srun_step(env):  # the batch script runs on the first node only: the others would never join
+        raise TopologyError(
+            f"SLURM job {job.job_id} has {job.num_nodes} nodes but this meshwise run was not started by srun (no "
+            "SLURM_STEP_ID: it is the batch script, on the first node only), so it would wait for nodes that never "
+            f"join. Start one meshwise run per node: `{srun_advice(env, list(argv), meshwise_run=True)}`"
+        )
     args.nnodes = str(job.num_nodes)
-    args.node_rank = job.node_rank
-    if args.rdzv_endpoint == "":
+    if args.rdzv_endpoint == "":  # c10d at the step's first node; its launcher hosts the store (slurm_rendezvous)
+        master = slurm_master_addr(env)
         args.rdzv_backend = "c10d"
-        args.rdzv_endpoint = f"{slurm_master_addr(env)}:{slurm_master_port(env)}"
+        args.rdzv_endpoint = f"{master}:{slurm_master_port(env)}"
         if args.rdzv_id == "none":
             args.rdzv_id = f"slurm-{job.job_id}"
+        if not env.get("MASTER_ADDR"):  # the list's first node: this one? (else torchrun decides who hosts)
+            args.slurm_host = env.get("SLURMD_NODENAME", master if job.node_rank == 0 else "") == master
+    else:  # the user's rendezvous: --node-rank counts with --rdzv-backend static
+        args.node_rank = job.node_rank
     print(
         f"meshwise run: SLURM job {job.job_id}, node {job.node_rank} of {job.num_nodes}, rendezvous at "
         f"{args.rdzv_endpoint}",
@@ -301,10 +531,21 @@ def _plot(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="meshwise plot", description="Render a run's loss and metric curves.")
     parser.add_argument("run_dir", help="run folder holding metrics.jsonl")
     parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    parser.add_argument("--smooth", default=0.6, type=float, help="smoothing weight in [0, 1), 0 = raw (default 0.6)")
     args = parser.parse_args(list(argv))
     from meshwise.plot import plot_run
 
-    print(plot_run(args.run_dir, args.out))
+    print(plot_run(args.run_dir, args.out, smooth=args.smooth))
+    return 0
+
+
+def _report(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="meshwise report", description="Sum up a run folder on one screen.")
+    parser.add_argument("run_dir", help="run folder holding metrics.jsonl (and checkpoints)")
+    args = parser.parse_args(list(argv))
+    from meshwise.report import report_text
+
+    print(report_text(args.run_dir))
     return 0
 
 
@@ -314,24 +555,32 @@ def _export(argv: Sequence[str]) -> int:
     return run_cli(list(argv), prog="meshwise export")
 
 
-COMMANDS = {"run": _run, "describe": _describe, "plot": _plot, "export": _export}
+COMMANDS = {"run": _run, "describe": _describe, "plot": _plot, "report": _report, "export": _export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``meshwise`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--version"]:
+        from meshwise.version import __version__
+
+        print(f"meshwise {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(
-            "usage: meshwise {run,describe,plot,export} ...\n\n"
+            "usage: meshwise {run,describe,plot,report,export} ...\n\n"
             "  run       torchrun a script with a mesh:  meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 train.py\n"
             "            or play one rank of a big job:  meshwise run --dry-run --world-size 1024 --rank 5 "
             "--mesh dp=-1,tp=8 train.py\n"
             "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
             "--nproc-per-node 4\n"
             "  plot      draw a run's curves:            meshwise plot runs/gpt\n"
+            "  report    a run on one screen:            meshwise report runs/gpt\n"
             "  export    one plain state_dict file:      meshwise export runs/gpt/checkpoints model.pt\n"
             "            or a Hugging Face folder:       meshwise export runs/gpt/checkpoints hf/ --hf "
-            "--config config.json",
+            "--config config.json\n"
+            "  --version print the version\n\n"
+            "meshwise COMMAND --help: a command's options",
             file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
         )
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -379,10 +379,12 @@ def check_rank_grid(layout: Layout, grid: Sequence) -> None:
     hint = (
         f"Its ranks are init_device_mesh's order for the dims as {matches[0]}: build it as init_device_mesh(device, "
         f"{tuple(layout.sizes[layout.index(d)] for d in matches[0])}, mesh_dim_names={matches[0]}) and slice "
-        "by name as before"
+        "by name as before (a mesh made with DeviceMesh.from_group: pass the groups in that dim order)"
         if matches
         else "Build it with init_device_mesh(device, sizes, mesh_dim_names=...)"
     )
+    # a program that brought process groups (Megatron's, DeepSpeed's) needs no mesh call of its own
+    hint += ". With process groups of your own, meshwise.groups.adopt_groups({name: group, ...}) orders them itself"
     shown = grid if layout.world_size <= 16 else "..."
     raise TopologyError(
         f"the DeviceMesh over {layout.dims_text()} does not place rank r at row-major position r (its rank grid is "
@@ -450,9 +452,21 @@ def placement_warnings(layout: Layout, nodes: Sequence[int]) -> list[str]:
     halo exchanges belong there, while a batch dim's gradient reduction (once a step) can cross the network.
     A pipeline's point-to-point sends are light (one activation per micro-batch and boundary), so a stage
     dim crossing nodes to keep every other dim inside one is the usual layout and is not warned about.
+
+    ``nodes`` is where the ranks really run (:func:`meshwise.init` learns it from ``SLURM_NODEID``, torchrun's
+    ``GROUP_RANK`` or the hostname), not where they would run numbered node by node: when the launcher placed them
+    otherwise (``srun -m cyclic``, or uneven tasks per node as ``srun -N 2 -n 4`` may give: 3 + 1) and a
+    ``replica`` or ``split`` dim's groups cross nodes that ranks numbered node by node, as many on each node,
+    would keep inside one, the advice names the srun options that do that (``-m block``,
+    ``--ntasks-per-node``), with the batch-first order too where that is also needed.
     Pure arithmetic: :func:`meshwise.init` warns with these messages (:class:`PlacementWarning`) on rank 0.
     """
     nodes = _check_nodes(layout, nodes)
+    return _order_warnings(layout, nodes) + _launch_warnings(layout, nodes)
+
+
+def _order_warnings(layout: Layout, nodes: list[int]) -> list[str]:
+    """The advice of :func:`placement_warnings` on the order of the dims, for the ranks where they are."""
     batch = layout.dims_with("batch")
     if not batch or len(set(nodes)) < 2:
         return []
@@ -500,5 +514,67 @@ def _stage_warnings(layout: Layout, reordered: Layout, nodes: Sequence[int], spe
             f"send every micro-batch's activations and gradients over the network, while batch dim(s) "
             f"{list(batch)} cross nodes anyway. Declare the batch dims first, mesh '{spec}' (same roles), and each "
             f"{dim!r} group stays on one node (a warning only: the pipeline's sends are light)"
+        )
+    return messages
+
+
+def _block_nodes(counts: Sequence[int]) -> list[int]:
+    """Ranks numbered node by node: ``counts[n]`` ranks on node ``n``."""
+    return [n for n, count in enumerate(counts) for _ in range(count)]
+
+
+def _launch_warnings(layout: Layout, nodes: list[int]) -> list[str]:
+    """Replica and split dims that cross nodes because of where the launcher put the ranks (not node by node, or
+    uneven counts), when node-by-node numbering (with the same counts, else as many on each node) would keep them
+    inside a node: the srun options that do it. Only dims whose crossing the dims' order cannot fix alone."""
+    node_ids = sorted(set(nodes))
+    if len(node_ids) < 2:
+        return []
+    counts = [nodes.count(n) for n in node_ids]
+    candidates: list[tuple[list[int], str]] = []
+    if nodes != _block_nodes(counts):
+        candidates.append((_block_nodes(counts), "-m block"))
+    if len(set(counts)) > 1 and layout.world_size % len(counts) == 0:
+        even = layout.world_size // len(counts)
+        option = f"--ntasks-per-node={even}" + (" -m block" if nodes != _block_nodes(counts) else "")
+        candidates.append((_block_nodes([even] * len(counts)), option))
+    if not candidates:
+        return []  # numbered node by node, as many on each node: the order of the dims is the only advice
+    batch = layout.dims_with("batch")
+    order = [*batch, *(d for d in layout.dims if d not in batch)]
+    reordered = Layout(
+        tuple(order), tuple(layout.sizes[layout.index(d)] for d in order), tuple(layout.role(d) for d in order)
+    )
+    spec = ",".join(f"{d}={reordered.sizes[i]}" for i, d in enumerate(order))
+    messages = []
+    for dim in layout.dims_with("replica", "split"):
+        if not _spans_nodes(layout, dim, nodes) or (batch and not _spans_nodes(reordered, dim, nodes)):
+            continue  # inside the nodes, or the order of the dims alone fixes it (the order advice says so)
+        fix = None
+        for placed, option in candidates:
+            if not _spans_nodes(layout, dim, placed):
+                fix = f"start the job with srun {option}"
+                break
+            if batch and reordered.dims != layout.dims and not _spans_nodes(reordered, dim, placed):
+                fix = f"start the job with srun {option} and declare the batch dims first, mesh '{spec}'"
+                break
+        if fix is None:
+            continue
+        role = layout.role(dim)
+        groups = layout.groups(dim)
+        shown = " ".join(
+            "[" + ",".join(map(str, g)) + "] (nodes " + ",".join(str(nodes[r]) for r in g) + ")" for g in groups[:4]
+        ) + (" ..." if len(groups) > 4 else "")
+        placement = ", ".join(
+            f"node {n}: ranks {_ranks_text([r for r, m in enumerate(nodes) if m == n])}" for n in node_ids
+        )
+        how = [] if nodes == _block_nodes(counts) else ["not numbered node by node"]
+        how += ["not as many on each node"] if len(set(counts)) > 1 else []
+        messages.append(
+            f"mesh dim {dim!r} ({role}) crosses nodes because of where the launcher placed the ranks ({placement}; "
+            f"{' and '.join(how)}): its groups "
+            f"{shown}, so its collectives ({'every layer' if role == 'replica' else 'every halo exchange'}) go over "
+            f"the network. To keep each {dim!r} group on one node, {fix} (ranks numbered node by node, as "
+            "many on each node, as torchrun does)"
         )
     return messages

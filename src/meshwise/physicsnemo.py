@@ -28,7 +28,7 @@ from torch import nn
 
 from meshwise import compat
 from meshwise.data.parts import FieldPart, chunk_bounds
-from meshwise.errors import DataError, ParallelError, TopologyError
+from meshwise.errors import DataError, ParallelError, TopologyError, import_extra
 from meshwise.topology import Topology, current, init
 
 __all__ = [
@@ -44,14 +44,11 @@ __all__ = [
 
 
 def _manager_class() -> Any:
-    try:
-        from physicsnemo.distributed import DistributedManager
-    except ImportError as exc:  # an optional extra: say how to get it
-        raise TopologyError(
-            "meshwise.physicsnemo needs PhysicsNeMo: pip install --no-deps nvidia-physicsnemo and "
-            "pip install 'meshwise[physicsnemo]' (see docs/physicsnemo.md)"
-        ) from exc
-    return DistributedManager
+    return import_extra(
+        "physicsnemo.distributed",
+        "meshwise.physicsnemo",
+        "pip install --no-deps nvidia-physicsnemo and pip install 'meshwise[physicsnemo]' (docs/physicsnemo.md)",
+    ).DistributedManager
 
 
 def initialize_manager(*, backend: str | None = None) -> Any:
@@ -571,7 +568,7 @@ def _on_parallelize(model: nn.Module, topology: Topology) -> None:
 
 
 def _register_hooks() -> None:
-    from meshwise.parallel.apply import on_parallelize
+    from meshwise.parallel.placement import on_parallelize
 
     on_parallelize(_on_parallelize)
 

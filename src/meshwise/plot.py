@@ -1,4 +1,5 @@
-"""Render a run's loss and metric curves from ``RUN_DIR/metrics.jsonl`` to a PNG (``meshwise plot RUN_DIR``)."""
+"""Render a run's loss and metric curves from ``RUN_DIR/metrics.jsonl`` to a PNG (``meshwise plot RUN_DIR``), noisy
+per-step curves smoothed."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from meshwise.errors import MeshwiseError
 
-__all__ = ["METRICS_FILE", "plot_run", "read_metrics"]
+__all__ = ["METRICS_FILE", "plot_run", "read_metrics", "smoothed"]
 
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = {"tag", "step", "epoch", "time"}
@@ -45,10 +46,24 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> dict[str, dict[str, list[tu
     return curves
 
 
-def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> str:
-    """Draw one panel per metric (loss first), one line per tag (train, val, ...); returns the PNG's path.
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's smoothing: an exponential moving average with ``weight`` on the past (0 = none), debiased so
+    that the first points are not pulled towards zero."""
+    if not 0 <= weight < 1:
+        raise MeshwiseError(f"smoothing weight {weight!r} must be in [0, 1): 0 draws the raw values, 0.9 smooths a lot")
+    out, last, norm = [], 0.0, 0.0
+    for value in values:
+        last = last * weight + (1 - weight) * value
+        norm = norm * weight + (1 - weight)
+        out.append(last / norm)
+    return out
 
-    The default path is ``RUN_DIR/curves.png``.
+
+def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *, smooth: float = 0.6) -> str:
+    """Draw one panel per metric (loss first), one line per tag (train, val, rank0, ...); returns the PNG's path.
+
+    A line of 30 points or more is drawn faint as measured and bold smoothed (:func:`smoothed` with weight
+    ``smooth``; 0 turns it off). The default path is ``RUN_DIR/curves.png``.
     """
     import matplotlib
 
@@ -64,7 +79,11 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
         for tag, points in sorted(curves[name].items()):
             points.sort()
             xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
+            if smooth and len(xs) >= 30:
+                (line,) = ax.plot(xs, ys, alpha=0.25, linewidth=0.8)
+                ax.plot(xs, smoothed(list(ys), smooth), color=line.get_color(), label=tag)
+            else:
+                ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=tag)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

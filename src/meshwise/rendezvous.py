@@ -14,7 +14,24 @@ from meshwise import compat
 from meshwise.environment import Environment
 from meshwise.errors import CollectiveTimeoutError
 
-__all__ = ["choose_device", "join_fake_group", "join_process_group"]
+__all__ = ["WIRE_DTYPES", "choose_device", "join_fake_group", "join_process_group"]
+
+WIRE_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+"""The dtypes ranks tell each other as numbers (a dtype's index here) when they agree on shapes before a
+collective (metric syncs, pipeline stage inputs): one table, so every layer codes a dtype alike."""
 
 _STORE: dist.Store | None = None  # the launcher's rendezvous store, kept for a later init() in this process
 _INITS = 0

@@ -8,6 +8,7 @@ traceback is re-raised, labelled with its rank and mesh coordinate; no process o
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -23,7 +24,16 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["CollectiveCounter", "DistributedFailure", "free_port", "run_command", "run_distributed"]
+__all__ = [
+    "CollectiveCounter",
+    "DistributedFailure",
+    "describe_launches",
+    "free_port",
+    "process_context",
+    "run_command",
+    "run_distributed",
+    "run_script",
+]
 
 # What most ranks import: loaded once in the forkserver instead of once per rank. Missing packages are
 # skipped (ImportError); only finished modules belong here, since any other error stops the forkserver.
@@ -39,6 +49,7 @@ _PRELOAD = [
     "ignite.engine",
     "meshwise",
     "meshwise.topology",
+    "meshwise.testing_extras",  # datasets, transformers, PhysicsNeMo where installed, each skipped on any error
 ]
 _CTX: Any = None
 
@@ -47,12 +58,65 @@ class DistributedFailure(AssertionError):
     """A rank of :func:`run_distributed` raised, died or did not finish in time."""
 
 
-def _context() -> Any:
+def process_context() -> Any:
+    """The multiprocessing context :func:`run_distributed` forks its ranks from: a forkserver that has imported
+    torch, DTensor, FSDP, DCP, torchmetrics, ignite and meshwise. A test that needs fresh processes of its own
+    (``ProcessPoolExecutor(mp_context=process_context(), max_tasks_per_child=1)``) starts them in a fraction of a
+    second instead of an ``import torch`` each."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
         _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
+
+
+class _Launch:
+    """What one launch did and when (wall-clock seconds), for the messages of a launch or a test that ran too long."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start = time.time()
+        self.end: float | None = None
+        self.outcome = "still running"
+        self.phases: dict[int, list[tuple[str, float]]] = {}  # rank -> [(phase, time)]
+
+    def mark(self, rank: int, phase: str, when: float | None = None) -> None:
+        self.phases.setdefault(rank, []).append((phase, time.time() if when is None else when))
+
+    def finish(self, outcome: str) -> None:
+        self.end, self.outcome = time.time(), outcome
+
+    def text(self) -> str:
+        took = (self.end or time.time()) - self.start
+        lines = [f"{self.what}: {self.outcome} after {took:.1f}s"]
+        for rank in sorted(self.phases):
+            steps = ", ".join(f"{phase} at {when - self.start:.1f}s" for phase, when in self.phases[rank])
+            lines.append(f"  rank {rank}: {steps}" if rank >= 0 else f"  {steps}")
+        return "\n".join(lines)
+
+
+_LAUNCHES: list[_Launch] = []  # the recent launches of this process, oldest first (the last 50)
+
+
+def _record(what: str) -> _Launch:
+    launch = _Launch(what)
+    _LAUNCHES.append(launch)
+    del _LAUNCHES[:-50]
+    return launch
+
+
+def describe_launches(since: float) -> str:
+    """The launches of :func:`run_distributed` and :func:`run_command` started at or after ``since``
+    (``time.time()``), phase by phase: when each rank started (forked, its function's module imported), joined
+    the process group and finished, or that it was still running. ``tests/conftest.py`` adds this to a test that
+    passed its timeout, so the message says which launch was slow and where."""
+    return "\n".join(launch.text() for launch in _LAUNCHES if launch.start >= since)
+
+
+def _call_text(fn: Callable[..., Any], nprocs: int, mesh: Any) -> str:
+    name = getattr(fn, "__qualname__", repr(fn))
+    where = f", mesh={mesh}" if mesh is not None else ""
+    return f"run_distributed({getattr(fn, '__module__', '?')}.{name}, {nprocs} ranks{where})"
 
 
 class CollectiveCounter:
@@ -125,6 +189,7 @@ def _child(
     import meshwise
     from meshwise.debug.watchdog import leave_report
 
+    results.put((rank, "phase", "started", time.time()))  # forked, fn's module imported
     label = f"rank {rank}"
     try:
         if mesh is None:
@@ -139,6 +204,7 @@ def _child(
         else:
             topo = meshwise.init(mesh, roles=roles, timeout=pg_timeout)
             label = topo.label()
+            results.put((rank, "phase", "joined", time.time()))
             try:
                 out = fn(topo, *args, **kwargs)
             except BaseException:
@@ -187,7 +253,8 @@ def run_distributed(
 
     from meshwise.debug.crash import INDEX_VARIABLE, reports_note
 
-    ctx = _context()
+    ctx = process_context()
+    launch = _record(_call_text(fn, nprocs, mesh))
     results = ctx.Queue()
     # The store lives here, as torchrun's agent hosts it: a rank that exits (rank 0 included) leaves it to the others.
     store = TCPStore(
@@ -208,25 +275,30 @@ def run_distributed(
     ]
     for p in procs:
         p.start()
+    launch.mark(-1, "all forked")
     try:
-        outputs = _collect(procs, results, timeout)
+        outputs = _collect(procs, results, timeout, launch)
         # Ranks that returned exit as a script would: after their non-daemon threads (a checkpoint's deferred
         # 'latest' update, say). Killing them at once would lose what such a thread still had to write.
         end = time.monotonic() + 10.0
         for p in procs:
             p.join(max(0.0, end - time.monotonic()))
+        launch.finish("finished")
         return outputs
     except DistributedFailure as exc:
+        launch.finish("failed")
         _reap(procs)
         raise DistributedFailure(f"{exc}{reports_note(index)}") from None
     finally:
+        if launch.end is None:
+            launch.finish("interrupted")  # the test's own timeout, or ^C
         _reap(procs)
         results.close()
         del store
         shutil.rmtree(index, ignore_errors=True)
 
 
-def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
+def _collect(procs: Sequence[Any], results: Any, timeout: float, launch: _Launch) -> list[Any]:
     """Each rank's return value, by rank; the first failing, dead or late rank raises :class:`DistributedFailure`."""
     nprocs = len(procs)
     outputs: dict[int, Any] = {}
@@ -250,10 +322,14 @@ def _collect(procs: Sequence[Any], results: Any, timeout: float) -> list[Any]:
                 missing = [r for r in range(nprocs) if r not in outputs]
                 raise DistributedFailure(
                     f"ranks {missing} of {nprocs} did not finish within {timeout:.0f}s "
-                    f"(finished: {sorted(labels.values())}); all processes were killed"
+                    f"(finished: {sorted(labels.values())}); all processes were killed. Phases:\n{launch.text()}"
                 ) from None
             continue
+        if status == "phase":
+            launch.mark(rank, label, payload)
+            continue
         labels[rank] = label
+        launch.mark(rank, "returned" if status == "ok" else "raised")
         if status == "ok":
             outputs[rank] = pickle.loads(payload)
         else:
@@ -293,6 +369,7 @@ def run_command(
     outlive the test.
     """
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    launch = _record(f"run_command({' '.join(map(str, cmd))[:300]})")
     proc = subprocess.Popen(
         list(cmd),
         stdout=subprocess.PIPE,
@@ -304,11 +381,15 @@ def run_command(
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
+        launch.finish(f"exited with {proc.returncode}")
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
+        launch.finish("killed")
         raise DistributedFailure(f"{' '.join(cmd)} did not finish within {timeout:.0f}s; output:\n{out}") from None
     finally:
+        if launch.end is None:
+            launch.finish("interrupted")
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers, should any be left
         except ProcessLookupError:
@@ -317,3 +398,47 @@ def run_command(
     if check and proc.returncode != 0:
         raise DistributedFailure(f"{' '.join(cmd)} exited with {proc.returncode}; output:\n{out}")
     return result
+
+
+def run_script(
+    path: str | os.PathLike[str],
+    nprocs: int,
+    args: Sequence[str] = (),
+    *,
+    mesh: str | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+) -> list[str]:
+    """Run a training script as ``meshwise run --nproc-per-node nprocs [--mesh mesh] path args`` runs it, each rank
+    the unmodified file as ``__main__`` with the launcher variables set (``MESHWISE_MESH`` from ``mesh``), but on
+    ranks forked from :func:`process_context`'s forkserver instead of a fresh interpreter each: the script's own
+    numbers in a fraction of the start-up. Returns each rank's output (stdout and stderr), by rank; a rank that
+    raises or exits non-zero raises :class:`DistributedFailure` with its output. Test the launcher itself with
+    :func:`run_command`."""
+    variables = {"PYTHONUNBUFFERED": "1", **(env or {})}
+    if mesh is not None:
+        variables["MESHWISE_MESH"] = mesh
+    where = None if cwd is None else os.fspath(cwd)
+    return run_distributed(_script_rank, nprocs, os.fspath(path), list(args), where, env=variables, timeout=timeout)
+
+
+def _script_rank(path: str, args: list[str], cwd: str | None) -> str:
+    """One rank of :func:`run_script`: the script as ``__main__`` (its folder first on ``sys.path``, as python
+    puts it), its output captured."""
+    import runpy
+
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise DistributedFailure(f"{path} exited with {exc.code}; its output:\n{buffer.getvalue()}") from None
+    except BaseException as exc:
+        raise DistributedFailure(f"{path} raised {type(exc).__name__}; its output:\n{buffer.getvalue()}") from exc
+    return buffer.getvalue()

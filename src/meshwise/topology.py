@@ -302,6 +302,7 @@ def init(
     adopted = _device_mesh_or_none(mesh)
     if adopted is None:
         layout = Layout.resolve(mesh, env.world_size, roles)  # type: ignore[arg-type]
+        _check_launcher_mesh(mesh, layout, env.world_size, roles)
         selections = group_selections(layout, groups)
         device, backend = choose_device(env, backend)
         owns_group = join_process_group(env, device, backend, timeout)
@@ -321,6 +322,26 @@ def init(
     for hook in list(_ON_INIT):
         hook(_CURRENT)
     return _CURRENT
+
+
+def _check_launcher_mesh(mesh: object, layout: Layout, world_size: int, roles: object) -> None:
+    """A mesh given in code that differs from the launcher's (``meshwise run --mesh``, exported as
+    ``MESHWISE_MESH``) is an error naming both: one of them would be silently ignored."""
+    launched = os.environ.get("MESHWISE_MESH")
+    if mesh is None or not launched:
+        return
+    try:
+        theirs: Layout | None = Layout.resolve(launched, world_size, roles)  # type: ignore[arg-type]
+    except TopologyError:
+        theirs = None
+    if theirs is not None and (theirs.dims, theirs.sizes) == (layout.dims, layout.sizes):
+        return
+    code = ",".join(f"{d}={s}" for d, s in zip(layout.dims, layout.sizes))
+    raise TopologyError(
+        f"meshwise.init() was given the mesh {code} but the launcher's is {launched} (meshwise run --mesh, "
+        f"or MESHWISE_MESH): give the mesh in one place: call meshwise.init() without a mesh to take the "
+        f"launcher's, or launch with --mesh {code}"
+    )
 
 
 def shutdown() -> None:

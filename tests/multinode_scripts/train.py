@@ -136,7 +136,9 @@ def main(out_dir: str) -> None:
     }
     meshwise.shutdown()
 
-    # The same ranks with tp outermost: tp groups pair ranks r and r+2, which sit on different nodes.
+    # The same ranks with tp outermost: tp groups pair ranks r and r+2, which sit on different nodes. A mesh in
+    # code that differs from the launcher's --mesh is refused, so this second mesh forgets the launcher's.
+    os.environ.pop("MESHWISE_MESH", None)
     topo, warned = init_recording("tp=2,dp=2")
     value = torch.tensor([float(topo.rank + 1)])
     dist.all_reduce(value, group=topo.group("tp"))

@@ -44,11 +44,18 @@ SIZES: dict[str, Any] = {  # every name a config may give these sizes; only the 
     "v_head_dim": 8,
     # state-space and linear-attention families
     **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size"), 8),
-    **dict.fromkeys(("mamba_n_heads", "linear_num_value_heads", "linear_num_key_heads"), 4),
-    **dict.fromkeys(("mamba_d_head", "linear_key_head_dim", "linear_value_head_dim"), 8),
+    **dict.fromkeys(("mamba_n_heads", "linear_num_value_heads", "linear_num_key_heads", "linear_num_heads"), 4),
+    **dict.fromkeys(("mamba_d_head", "linear_key_head_dim", "linear_value_head_dim", "linear_head_dim"), 8),
     "time_step_rank": 4,
     "sliding_window": 4096,  # longer than every window: no band the all-gather would have to know about
+    "rotary_dim": 4,  # GPT-J, CodeGen: rotary on part of each 8-wide head
+    "attention_types": [[["global", "local"], LAYERS // 2]],  # GPT-Neo: one global and one local layer
+    **dict.fromkeys(("index_head_dim",), 8),
+    **dict.fromkeys(("index_n_heads",), 4),
+    "moe_top_k": 2,
 }
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers")
+PARTS = ("attn_config", "ffn_config")  # sub-configs of one text model (MPT, DBRX), shrunk like the rest
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id")
 
 
@@ -66,24 +73,47 @@ def tiny_config(model_type: str) -> Any:
 
     cls = CONFIG_MAPPING[model_type]
     subs = getattr(cls, "sub_configs", None) or {}
-    if subs:
-        raise Skip(f"composite config ({', '.join(sorted(subs))}): not a text-only causal LM config")
-    default = cls()
-    fields = default.to_dict()
+    other = sorted(set(subs) - set(PARTS))
+    if other:
+        raise Skip(f"composite config ({', '.join(other)}): not a text-only causal LM config")
+    kwargs = _shrunk(cls)
+    for name in subs:
+        kwargs[name] = subs[name](**_shrunk(subs[name]))
+    return cls(**kwargs)
+
+
+def _shrunk(cls: Any) -> dict[str, Any]:
+    """The keyword arguments that shrink config class ``cls``: the size fields it has, per-layer lists cut to
+    LAYERS entries, dropouts 0, token ids inside the vocabulary."""
+    fields = cls().to_dict()
     known = set(fields) | set(getattr(cls, "attribute_map", {}) or {})
     kwargs = {k: v for k, v in SIZES.items() if k in known}
+    if "qk_rope_head_dim" in known:
+        kwargs.pop("head_dim", None)  # latent attention: its heads are qk_nope + qk_rope wide
+    layers = next((fields[k] for k in LAYER_COUNTS if isinstance(fields.get(k), int)), None)
     for key, value in fields.items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key or key.endswith("_drop")):
             kwargs[key] = 0.0
         if key in TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
             kwargs[key] = min(VOCAB - 1, 2)
-        if key == "layer_types" and isinstance(value, list) and value:
-            kwargs[key] = value[:LAYERS]
-        if key.endswith("_layers") and key not in kwargs and isinstance(value, list):
-            kwargs[key] = [i for i in value if isinstance(i, int) and i < LAYERS]
+        if key in kwargs or not isinstance(value, list) or not value:
+            continue
+        if key == "layer_types" or (layers and len(value) == layers):
+            kwargs[key] = _per_layer(value)
+        elif key.endswith("_layers") and all(isinstance(i, int) for i in value):
+            kwargs[key] = [i for i in value if i < LAYERS]  # layer numbers
     if "first_k_dense_replace" in known:
         kwargs["first_k_dense_replace"] = 1  # one dense layer, one sparse
-    return cls(**kwargs)
+    return kwargs
+
+
+def _per_layer(value: list) -> list:
+    """A per-layer list cut to LAYERS entries that keeps each kind it has, as far as LAYERS allows (a hybrid's
+    first layers may all be linear attention)."""
+    kinds = list(dict.fromkeys(v for v in value if isinstance(v, str)))
+    if len(kinds) < 2:
+        return value[:LAYERS]
+    return (kinds + value)[:LAYERS]
 
 
 class Skip(Exception):

@@ -20,26 +20,19 @@ import torch
 import torch.distributed as dist
 
 from meshwise import dryrun
-from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
-from meshwise.checkpoint.safe import SafeLoadPlanner, SafeReader
-from meshwise.checkpoint.state import (
+from meshwise.checkpoint.objects import (
     apply_dcp_state,
     check_options,
     classify,
     dcp_state,
-    holds_tensors,
-    load_object,
-    mesh_text,
     optimizer_owners,
-    read_rng,
-    record,
-    rederive_rng,
-    reshard_message,
     score_value,
-    set_rng_state,
-    small_files,
-    warn_differences,
 )
+from meshwise.checkpoint.protocol import OBJECTS_DIR, RNG_DIR, CheckpointFolder, entry_name
+from meshwise.checkpoint.record import mesh_text, record, reshard_message
+from meshwise.checkpoint.rng import read_rng, rederive_rng, set_rng_state
+from meshwise.checkpoint.safe import SafeLoadPlanner, SafeReader
+from meshwise.checkpoint.small_state import holds_tensors, load_object, small_files, warn_differences
 from meshwise.checkpoint.validation import check_keys, find_and_read, locate_and_read
 from meshwise.checkpoint.writer import (
     CommitWriter,

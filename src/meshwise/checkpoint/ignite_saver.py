@@ -20,8 +20,8 @@ from torch import nn
 
 from meshwise import compat
 from meshwise.checkpoint.checkpointer import Checkpointer
+from meshwise.checkpoint.objects import classify, optimizer_owners
 from meshwise.checkpoint.protocol import META
-from meshwise.checkpoint.state import classify, optimizer_owners
 from meshwise.errors import CheckpointError
 from meshwise.topology import Topology, resolve
 

@@ -19,8 +19,9 @@ import torch
 from meshwise import compat
 from meshwise.checkpoint.protocol import DCP_META, FORMAT, FORMAT_VERSION, META, OBJECTS_DIR, CheckpointFolder
 from meshwise.checkpoint.safe import check_byte_values, inside, object_file, read_dcp_metadata
-from meshwise.checkpoint.state import read_object
+from meshwise.checkpoint.small_state import read_object
 from meshwise.errors import CheckpointError
+from meshwise.version import __version__
 
 __all__ = ["check_keys", "check_shards", "find_and_read", "locate_and_read", "read_record"]
 
@@ -44,8 +45,6 @@ def read_record(path: Path, kinds: Mapping[str, str], trust: bool = False) -> di
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path} is not a meshwise checkpoint record (format {meta.get('format')!r})")
     if int(meta.get("version", 0)) > FORMAT_VERSION:
-        from meshwise import __version__
-
         raise CheckpointError(
             f"{meta_path} was written by meshwise {meta.get('meshwise', '?')} in checkpoint format "
             f"{meta.get('version')}; this is meshwise {__version__}, which reads format {FORMAT_VERSION} and older: "

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from meshwise import compat
-from meshwise.checkpoint.state import write_files
+from meshwise.checkpoint.small_state import write_files
 from meshwise.errors import CheckpointError, MeshwiseError
 
 __all__ = [

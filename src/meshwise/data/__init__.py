@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from meshwise.data.array_loader import MeshDataLoader
 from meshwise.data.collate import pad_collate
-from meshwise.data.loader import MeshDataLoader, mesh_dataloader
+from meshwise.data.factory import mesh_dataloader
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.packing import pack
 from meshwise.data.parts import Replicate, Shard, chunk_bounds, from_placements, parts_of

@@ -6,7 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from meshwise.data.mapped import check_map_style, is_hf_dataset
+from meshwise.data.mapped import check_map_style
+from meshwise.data.reading import is_hf_dataset
 from meshwise.data.sources import ArrayDataset
 from meshwise.errors import DataError
 

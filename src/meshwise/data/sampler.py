@@ -10,13 +10,15 @@ replica read strategy and the worker options.
 from __future__ import annotations
 
 import math
-import multiprocessing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from meshwise.data.options import LoaderOptions
+from meshwise.data.parts import as_dtensor
+from meshwise.dryrun import active
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -203,49 +205,35 @@ class CursorLoader:
     ``planned_read``, ``replica_size``, ``replica_rank``) and the worker options; subclasses read the batches.
     """
 
+    dataset: Any
     sampler: MeshSampler
     topology: Topology
     parts: dict[str, Any]
 
-    def _setup(
-        self,
-        topology: Topology | None,
-        dataset_length: int,
-        *,
-        global_batch_size: int,
-        mode: str,
-        seed: int,
-        drop_last: bool,
-        read: str,
-        num_workers: int,
-        prefetch_factor: int | None,
-        multiprocessing_context: Any,
-    ) -> Topology:
+    def _setup(self, topology: Topology | None, dataset_length: int, options: LoaderOptions) -> Topology:
         """Check the options, build the sampler and the read plan; returns the resolved topology."""
-        from meshwise.dryrun import active
-
-        if read not in READS:
-            raise DataError(f"read must be one of {READS}, got {read!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if options.read not in READS:
+            raise DataError(f"read must be one of {READS}, got {options.read!r}")
+        options.check_workers()
         topology = resolve(topology)
-        self.topology = topology
+        self.topology, self.options = topology, options
         self.sampler = MeshSampler.from_topology(
-            topology, dataset_length, global_batch_size, mode=mode, seed=seed, drop_last=drop_last
+            topology,
+            dataset_length,
+            options.global_batch_size,
+            mode=options.mode,
+            seed=options.seed,
+            drop_last=options.drop_last,
         )
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1
         self.replica_rank = topology.coordinate(replica) if replica else 0
-        self.planned_read = read if self.replica_size > 1 else "each"
+        self.planned_read = options.read if self.replica_size > 1 else "each"
         # a dry run has no peers to hand the shared batch over: each replica reads it (meshwise.dryrun)
         self.read = self.planned_read if active() is None else "each"
         self._replica_ranks = topology.group_ranks(replica) if self.replica_size > 1 else [topology.rank]
-        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
-            # Workers read through handles they reopen, so fork is safe; it is also fast, where an inherited
-            # forkserver/spawn default would start each worker from scratch (seconds a worker).
-            multiprocessing_context = "fork"
-        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        self.multiprocessing_context = multiprocessing_context
+        self.num_workers, self.prefetch_factor = options.num_workers, options.prefetch_factor
+        self.multiprocessing_context = options.worker_context()
         self.bytes_read = 0
         return topology
 
@@ -273,8 +261,6 @@ class CursorLoader:
 
     def as_dtensor(self, tensor: torch.Tensor, name: str) -> Any:
         """Field ``name`` of a batch as a DTensor over the split dims (halo stripped; no communication)."""
-        from meshwise.data.parts import as_dtensor
-
         if name not in self.parts:
             raise DataError(f"no part of field {name!r} is known yet; the parts are of {sorted(self.parts)}")
         return as_dtensor(tensor, self.parts[name], self.topology)
@@ -291,6 +277,22 @@ class CursorLoader:
 
     def _batches(self, token: object) -> Iterator[Any]:
         raise NotImplementedError
+
+    def _hand_out(self, batch: dict[str, Any], local: np.ndarray, nbytes: int) -> tuple[int, int]:
+        """Mark ``batch``'s valid rows and sample indices (``local``, -1 on padding), count the ``nbytes`` read for
+        it and move the cursor past it; returns the new cursor. The cursor counts batches handed out, not batches
+        prefetched."""
+        batch["valid"] = torch.from_numpy(local >= 0)
+        batch["index"] = torch.from_numpy(local.copy())
+        self.bytes_read += nbytes
+        self.sampler.advance()
+        return self._cursor()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({len(self.dataset)} samples, global batch {self.sampler.global_batch_size}, "
+            f"local {self.local_batch_size}, mode {self.sampler.mode!r}, read {self.read!r}, {len(self)} steps)"
+        )
 
     def _cursor(self) -> tuple[int, int]:
         return self.sampler.epoch, self.sampler.consumed

@@ -38,9 +38,8 @@ resumes by reading and dropping the samples it had consumed (the cost of a resum
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -48,8 +47,9 @@ import torch.distributed as dist
 
 from meshwise import compat
 from meshwise.data.collate import as_fields, pad_collate
-from meshwise.data.mapped import _blank, _check_specs, _positions, _SampleReader
+from meshwise.data.options import LoaderOptions
 from meshwise.data.parts import FieldPart, as_parts
+from meshwise.data.reading import SampleReader, blank_padding, check_specs, positions_of
 from meshwise.data.sampler import SUPERSEDED
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
@@ -134,30 +134,24 @@ class MeshStreamLoader:
         dataset: Any,
         topology: Topology | None = None,
         *,
-        global_batch_size: int,
-        mode: str = "train",
-        seed: int = 0,
-        drop_last: bool = True,
-        parts: Any = None,
-        read: str = "each",
-        num_workers: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        prefetch_factor: int | None = None,
-        multiprocessing_context: Any = None,
-        **kwargs: Any,
+        options: LoaderOptions | None = None,
+        **keywords: Any,
     ) -> None:
+        """``options`` (or the same as keyword arguments: see :class:`LoaderOptions`); ``read`` must be ``"each"``
+        and ``stage_fields`` is refused."""
+        options = LoaderOptions.of(options, keywords, "MeshStreamLoader")
+        global_batch_size, mode, seed = options.global_batch_size, options.mode, options.seed
         if mode not in MODES:
             raise DataError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise DataError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        if read != "each":
+        options.check_workers()
+        if options.read != "each":
             raise DataError(
-                f"read={read!r} is not supported for streams: every rank of a replica group reads its share of the "
-                "stream itself (a stream has no random access to hand rows out by); use read='each'"
+                f"read={options.read!r} is not supported for streams: every rank of a replica group reads its share "
+                "of the stream itself (a stream has no random access to hand rows out by); use read='each'"
             )
-        if kwargs:
-            raise DataError(f"streaming sources take no {sorted(kwargs)}: drop them")
-        if not drop_last and mode == "train":
+        if options.stage_fields is not None:
+            raise DataError("streaming sources take no ['stage_fields']: drop them")
+        if not options.drop_last and mode == "train":
             raise DataError(
                 "drop_last=False in train mode is not supported for streams: a stream's end differs per rank; use "
                 "mode='eval' to see every sample once (padded rows have valid=False)"
@@ -179,17 +173,16 @@ class MeshStreamLoader:
         self.dataset, self.topology, self.mode, self.seed = dataset, topology, mode, seed
         self.local_batch_size = global_batch_size // size
         self.global_batch_size = global_batch_size
-        self.collate_fn = pad_collate if collate_fn is None else collate_fn
+        self.collate_fn = pad_collate if options.collate_fn is None else options.collate_fn
         # parts: the map-style loader's cut of a collated batch (resolve_part's arithmetic), checked here once
-        self.specs = as_parts(parts, topology)
+        self.specs = as_parts(options.parts, topology)
         split = {d: (topology.coordinate(d), topology.size(d)) for d in topology.split_dims}
-        _check_specs(self.specs, split, topology.layout.dims_text())
-        self._cutter = _SampleReader(None, collate_fn, self.specs, split, topology.layout.dims_text())
+        check_specs(self.specs, split, topology.layout.dims_text())
+        self._cutter = SampleReader(None, options.collate_fn, self.specs, split, topology.layout.dims_text())
         self.parts: dict[str, FieldPart] = {}  # the parts of the last batch handed out (shapes vary per batch)
-        if multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
-            multiprocessing_context = "fork"  # as for arrays: a worker starts in milliseconds, not seconds
-        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
-        self.multiprocessing_context = multiprocessing_context
+        self.options = options
+        self.num_workers, self.prefetch_factor = options.num_workers, options.prefetch_factor
+        self.multiprocessing_context = options.worker_context()  # as for arrays: fork starts a worker in ms
         self._workers: Any = None  # the StatefulDataLoader reading a HF share in workers, this epoch
         self.fingerprint = _fingerprint(dataset, self.hf, seed)
         self.epoch = 0
@@ -388,10 +381,10 @@ class MeshStreamLoader:
         batch = self.collate_fn(samples + [self._filler] * (b - valid))
         batch = as_fields(batch) if not isinstance(batch, dict) else batch
         if valid < b:
-            _blank(batch, valid, b)
+            blank_padding(batch, valid, b)
         if self.specs:  # this rank's part of each field named in parts, and the positions of balanced ones
             batch, self.parts = self._cutter.cut(batch)
-            positions = _positions(self.parts, batch)
+            positions = positions_of(self.parts, batch)
             if positions is not None:
                 batch["positions"] = positions.expand(b, -1)
         index = torch.full((b,), -1, dtype=torch.int64)

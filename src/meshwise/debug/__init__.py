@@ -13,11 +13,16 @@ import atexit
 import sys
 import traceback
 
+from meshwise.debug import crash, interrupt
 from meshwise.debug.fingerprint import COLLECTIVE_OPS, install, uninstall
 from meshwise.debug.watchdog import Call, describe, guarded, start, stop
 from meshwise.topology import Topology
 
 __all__ = ["COLLECTIVE_OPS", "Call", "attach", "describe", "detach", "guarded", "install", "uninstall"]
+
+# Under meshwise run (or run_distributed) each rank's uncaught error goes to the launcher, which ends a failed
+# run with the first one; from import on, so that an error in meshwise.init itself is told too.
+crash.install_launch_hook()
 
 
 def attach(topo: Topology) -> None:
@@ -25,6 +30,7 @@ def attach(topo: Topology) -> None:
     if topo.environment.launcher == "dry-run":
         return  # no peers to ask and nothing to hang on: the fake backend's store holds no keys
     start(topo)
+    interrupt.install(topo)  # SIGINT/SIGTERM stop the training loop at one agreed step on every rank
     if topo.world_size > 1:
         atexit.register(_at_exit, topo)
     if topo.debug:
@@ -38,6 +44,7 @@ def detach(topo: Topology, how: str = "meshwise.shutdown()", failure: str | None
     """
     atexit.unregister(_at_exit)
     uninstall()
+    interrupt.uninstall()
     stop(topo, how, failure)
 
 

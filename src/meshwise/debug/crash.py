@@ -4,9 +4,11 @@ gloo aborts a process (SIGABRT, no Python exception) when a collective's peers d
 Python runs after that. So every rank keeps, from ``meshwise.init`` on, a file ``RUN_DIR/crash-<time>/rank-N.txt``
 whose head is rewritten in place (a shared memory map: no system call, the kernel keeps the page when the
 process dies) with the calls the watchdog knows this rank is in, and after which ``faulthandler`` writes every
-thread's Python stack on a fatal signal. A rank that shuts down cleanly deletes its file. Launchers that
-set ``MESHWISE_REPORT_INDEX`` (``meshwise run``, ``run_distributed``) learn each rank's file there and point
-to the files left behind; peers find them through the store (``crash_report``).
+thread's Python stack on a fatal signal. A rank that shuts down cleanly deletes its file; one that ends on an
+exception keeps it, rewritten as its head and the traceback (no padding). Launchers that set
+``MESHWISE_REPORT_INDEX`` (``meshwise run``, ``run_distributed``) learn each rank's file there, and each failing
+rank's error in one line (:func:`read_failures`), so the launcher can end with the first root cause; peers find
+the reports through the store (``crash_report``). Ranks failing with the same error print its traceback once.
 """
 
 from __future__ import annotations
@@ -14,30 +16,40 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
+import json
 import mmap
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
-from typing import IO
+from types import TracebackType
+from typing import IO, Any
 
 import torch.distributed as dist
 
+from meshwise.debug import interrupt
+from meshwise.debug.interrupt import INDEX_VARIABLE
 from meshwise.topology import Topology
 
 __all__ = [
     "HEAD_BYTES",
     "INDEX_VARIABLE",
     "CrashRecord",
+    "compact",
+    "install_launch_hook",
     "crash_report",
+    "error_record",
     "left_reports",
+    "read_failures",
     "read_report",
     "reports_note",
     "summary",
 ]
 
 HEAD_BYTES = 4096  # the rewritten head: the last calls; the stacks follow it
-INDEX_VARIABLE = "MESHWISE_REPORT_INDEX"  # a folder where each rank names its report file (set by launchers)
 _STORE_KEY = "meshwise/debug/crash"
+_STACKS_LINE = "Python stacks of every thread, if a fatal signal killed the process:"
 
 
 class CrashRecord:
@@ -65,12 +77,11 @@ class CrashRecord:
         if index:
             with contextlib.suppress(OSError):
                 Path(index, f"rank-{topo.rank:05d}").write_text(str(self.path), encoding="utf-8")
+        _HOOK.update(topo.rank, topo.label(), str(self.path))
 
     def write(self, *lines: str) -> None:
         """Replace the head with the title and ``lines`` (a memory copy: cheap enough for every guarded call)."""
-        text = "\n".join(
-            (self.title, *lines, "Python stacks of every thread, if a fatal signal killed the process:", "")
-        )
+        text = "\n".join((self.title, *lines, _STACKS_LINE, ""))
         data = text.encode("utf-8", "replace")[: HEAD_BYTES - 1]
         n = len(data)
         self.head[:n] = data
@@ -85,14 +96,159 @@ class CrashRecord:
         if self.had_faulthandler:
             faulthandler.enable(file=sys.stderr, all_threads=True)
         with contextlib.suppress(OSError, ValueError, BufferError):
+            head = bytes(self.head[: self.written]).decode("utf-8", "replace")
             self.head.close()
-            if failure is not None:
-                self.file.write(failure.encode("utf-8", "replace"))
+            if failure is not None:  # the head and the traceback, without the padding between them
+                head = head.replace(_STACKS_LINE, "The exception that ended the process:")
+                self.file.seek(0)
+                self.file.truncate(0)
+                self.file.write((head + failure).encode("utf-8", "replace"))
                 self.file.close()
                 return
             self.file.close()
             self.path.unlink()
             self.path.parent.rmdir()  # fails while another rank's file is still there: the last one removes it
+
+
+class _LaunchHook:
+    """``sys.excepthook`` under a launcher that collects errors (``MESHWISE_REPORT_INDEX``), from ``import meshwise``
+    on, so that an error in ``meshwise.init`` itself reaches the launcher too."""
+
+    def __init__(self) -> None:
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        self.rank = int(rank) if rank.isdigit() else 0
+        self.label = f"rank {self.rank}"
+        self.path = "its crash report"
+        self.previous: Any = None
+
+    def update(self, rank: int, label: str, path: str) -> None:
+        self.rank, self.label, self.path = rank, label, path
+
+    def install(self) -> None:
+        if self.previous is None and os.environ.get(INDEX_VARIABLE):
+            self.previous = sys.excepthook
+            sys.excepthook = self
+
+    def __call__(self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        """Note this rank's error for the launcher; print the traceback unless another rank printed the same.
+
+        A signal that stops the run makes the peers' collectives fail as they leave: nothing is printed then
+        (the launcher says where the run stopped)."""
+        # torch.distributed's hook, set by init_process_group after this one, calls this one and prefixes every
+        # line it prints with "[rankN]: "; before that this hook is called directly and prefixes its own lines.
+        prefix = f"[rank{self.rank}]: " if sys.excepthook is self else ""
+        try:
+            self._handle(kind, exc, tb, self.previous, prefix)
+        except Exception:  # noqa: BLE001 - the traceback must be printed whatever went wrong here
+            self.previous(kind, exc, tb)
+
+    def _handle(
+        self, kind: type[BaseException], exc: BaseException, tb: TracebackType | None, previous: Any, prefix: str
+    ) -> None:
+        record = error_record(exc, self.rank, self.label)
+        index = os.environ.get(INDEX_VARIABLE)
+        if index:
+            with contextlib.suppress(OSError, ValueError):
+                Path(index, f"failure-{self.rank:05d}.json").write_text(json.dumps(record), encoding="utf-8")
+        if interrupt.received() is not None:
+            return
+        if record["collective"] and index:  # most often a peer's failure seen from here: the launcher names the cause
+            first_line = record["message"].split("\n")[0]
+            short = first_line if len(first_line) <= 160 else first_line[:160] + "..."
+            print(f"{prefix}{record['type']}: {short} (all of it: {self.path})", file=sys.stderr, flush=True)
+            return
+        first: dict[str, Any] | None = None
+        if index:
+            with contextlib.suppress(OSError, ValueError):
+                first = _first_error(Path(index), record)
+        if first is not None and first["rank"] != self.rank and _same(first, record):
+            print(
+                f"{prefix}{record['type']}: the same error as rank {first['rank']} (traceback above)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        previous(kind, exc, tb)
+
+
+_HOOK = _LaunchHook()
+
+
+def install_launch_hook() -> None:
+    """Under ``meshwise run`` or ``run_distributed``: note each rank's uncaught error for the launcher."""
+    _HOOK.install()
+
+
+def _first_error(index: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """The first error a rank of this node noted (``O_EXCL``: one rank creates the file), maybe ``record``."""
+    path = index / "first-error.json"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        for _ in range(20):  # the winner may not have written it yet
+            text = path.read_text(encoding="utf-8")
+            if text:
+                return json.loads(text)
+            time.sleep(0.01)
+        return record
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record))
+    return record
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["type"], a["message"]) == (b["type"], b["message"])
+
+
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # meshwise itself
+
+
+def error_record(exc: BaseException, rank: int, label: str) -> dict[str, Any]:
+    """What a launcher needs of a rank's error: type, message, the user's line it came from, the time, and
+    whether it is a collective that failed because a peer left (a consequence, not a root cause)."""
+    from meshwise.errors import CollectiveError
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    user = [
+        f for f in frames if not f.filename.startswith(_PACKAGE) and f"{os.sep}site-packages{os.sep}" not in f.filename
+    ]
+    where = (user or frames)[-1] if frames else None
+    text = str(exc)
+    collective = isinstance(exc, CollectiveError) or (
+        type(exc) is RuntimeError and any(w in text.lower() for w in ("gloo", "nccl", "connection closed by peer"))
+    )
+    return {
+        "rank": rank,
+        "label": label,
+        "type": type(exc).__name__,
+        "message": text,
+        "site": f"{_short(where.filename)}:{where.lineno} in {where.name}" if where else "",
+        "time": time.time(),
+        "collective": bool(collective),
+    }
+
+
+def _short(path: str) -> str:
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd) :] if path.startswith(cwd) else path
+
+
+def read_failures(index: str | os.PathLike[str]) -> dict[int, dict[str, Any]]:
+    """The errors failing ranks noted in a launcher's report folder (:func:`error_record`), by rank."""
+    found: dict[int, dict[str, Any]] = {}
+    for entry in sorted(Path(index).glob("failure-*.json")):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            record = json.loads(entry.read_text(encoding="utf-8"))
+            found[int(record["rank"])] = record
+    return found
+
+
+def compact(path: str | os.PathLike[str]) -> None:
+    """Rewrite a report a fatal signal left (head, padding, stacks) as plain text: the head, then the stacks."""
+    with contextlib.suppress(OSError):
+        data = Path(path).read_bytes()
+        if _padded(data):
+            Path(path).write_text(read_report(path), encoding="utf-8")
 
 
 def _job_stamp(store: dist.Store | None) -> str:
@@ -103,9 +259,16 @@ def _job_stamp(store: dist.Store | None) -> str:
     return store.compare_set(f"{_STORE_KEY}/stamp", "", stamp).decode()
 
 
+def _padded(data: bytes) -> bool:
+    """A report as the process left it: the head's page, padded with zeros, then what faulthandler wrote."""
+    return len(data) >= HEAD_BYTES and b"\0" in data[:HEAD_BYTES]
+
+
 def read_report(path: str | os.PathLike[str]) -> str:
     """A report file as text: the head without its padding, then the stacks (if a fatal signal wrote them)."""
     data = Path(path).read_bytes()
+    if not _padded(data):  # already compact: a rank that ended on an exception, or compact() ran
+        return data.decode("utf-8", "replace").rstrip() + "\n"
     head, stacks = data[:HEAD_BYTES], data[HEAD_BYTES:]
     text = head.rstrip(b"\0 ").decode("utf-8", "replace").rstrip()
     tail = stacks.decode("utf-8", "replace").strip()

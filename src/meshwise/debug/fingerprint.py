@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import threading
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -21,50 +20,13 @@ import torch
 import torch.distributed as dist
 
 from meshwise.debug.watchdog import (
-    STORE_PREFIX,
-    Call,
-    default_store,
-    describe,
+    compare,
     guarded,
     innermost,
-    rank_label,
-    timeout_error,
 )
-from meshwise.errors import CollectiveMismatchError
 from meshwise.topology import Topology, current
 
 __all__ = ["COLLECTIVE_OPS", "compare", "install", "uninstall"]
-
-_KEEP = 16  # fingerprints older than this many calls on a group are deleted: every member has long passed them
-
-
-def compare(topo: Topology, call: Call) -> None:
-    """Exchange fingerprints with the group through the store; raise if they differ or a rank never comes."""
-    store = default_store()
-    base = f"{STORE_PREFIX}/fp/{'_'.join(call.dims)}/{call.ranks[0]}"
-    keys = [f"{base}/{call.seq}/{r}" for r in call.ranks]
-    mine = call.record()
-    store.set(f"{base}/{call.seq}/{topo.rank}", json.dumps(mine))
-    if call.seq >= _KEEP:
-        store.delete_key(f"{base}/{call.seq - _KEEP}/{topo.rank}")
-    try:
-        store.wait(keys, topo.timeout)
-    except (RuntimeError, dist.DistError):
-        missing = [r for r, k in zip(call.ranks, keys) if not store.check([k])]
-        raise timeout_error(topo, call, None, missing=missing) from None
-    theirs = {r: json.loads(v) for r, v in zip(call.ranks, store.multi_get(keys))}
-    want = call.fingerprint()
-    if all({k: t[k] for k in want} == want for t in theirs.values()):
-        return
-    lines = [f"  {rank_label(topo.layout, r)}: {describe(t)}" for r, t in theirs.items()]
-    fields = sorted({k for t in theirs.values() for k in want if t[k] != want[k]})
-    raise CollectiveMismatchError(
-        f"{topo.label()}: the ranks of the {call.where} group {list(call.ranks)} reached their collective "
-        f"#{call.seq} on it with different {', '.join(fields)}:\n" + "\n".join(lines) + "\nEvery rank of a group "
-        "must make the same collectives, in the same order, with the same shapes and dtypes: look for a branch "
-        "on the rank, a skipped step or a tensor of another shape. Nothing was sent; the group is still usable"
-    )
-
 
 # Every torch.distributed collective debug mode wraps, with the arguments that go into its fingerprint:
 # (tensors whose shape and dtype must agree, attributes that must agree). Shapes of all_to_all may differ by

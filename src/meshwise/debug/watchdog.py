@@ -7,7 +7,9 @@ each rank's watchdog thread (blocked on the store, never polling) answers with i
 writes the Python stacks of all its threads to ``RUN_DIR/hang-*/rank-N.txt``. The error, a
 :class:`CollectiveTimeoutError`, names the dims, their roles, the op, the step and, for every rank that did
 not arrive, where it is instead. A region that outlives the timeout without an error (NCCL collectives are
-asynchronous) is reported by the watchdog in the same way; a rank that leaves writes an exit record.
+asynchronous) is reported by the watchdog in the same way; a rank that leaves writes an exit record. In debug
+mode a guarded call first compares its fingerprint with its group's (:func:`compare`; the wrappers of torch's
+own collectives are in :mod:`meshwise.debug.fingerprint`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ import torch
 import torch.distributed as dist
 
 from meshwise import compat
+from meshwise.debug import interrupt
 from meshwise.debug.crash import CrashRecord, crash_report, summary
-from meshwise.errors import CollectiveError, CollectiveTimeoutError
+from meshwise.debug.interrupt import STORE_PREFIX
+from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError
 from meshwise.layout import Dims, Layout
 from meshwise.topology import Topology
 
 __all__ = [
+    "compare",
     "STORE_PREFIX",
     "Call",
     "default_store",
@@ -50,7 +55,6 @@ __all__ = [
     "timeout_error",
 ]
 
-STORE_PREFIX = "meshwise/debug"  # every key this package keeps in the rendezvous store starts with it
 _GRACE_S = 3.0  # how long a failing rank waits for the others' answers (live ranks answer in milliseconds)
 _REQUEST_REUSE_S = 30.0  # failures this close together share one report folder
 _DEBUG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames here are never the call site
@@ -180,6 +184,37 @@ def innermost() -> Call | None:
     return _OPEN[-1] if _OPEN else None
 
 
+_KEEP = 16  # fingerprints older than this many calls on a group are deleted: every member has long passed them
+
+
+def compare(topo: Topology, call: Call) -> None:
+    """Exchange fingerprints with the group through the store; raise if they differ or a rank never comes."""
+    store = default_store()
+    base = f"{STORE_PREFIX}/fp/{'_'.join(call.dims)}/{call.ranks[0]}"
+    keys = [f"{base}/{call.seq}/{r}" for r in call.ranks]
+    mine = call.record()
+    store.set(f"{base}/{call.seq}/{topo.rank}", json.dumps(mine))
+    if call.seq >= _KEEP:
+        store.delete_key(f"{base}/{call.seq - _KEEP}/{topo.rank}")
+    try:
+        store.wait(keys, topo.timeout)
+    except (RuntimeError, dist.DistError):
+        missing = [r for r, k in zip(call.ranks, keys) if not store.check([k])]
+        raise timeout_error(topo, call, None, missing=missing) from None
+    theirs = {r: json.loads(v) for r, v in zip(call.ranks, store.multi_get(keys))}
+    want = call.fingerprint()
+    if all({k: t[k] for k in want} == want for t in theirs.values()):
+        return
+    lines = [f"  {rank_label(topo.layout, r)}: {describe(t)}" for r, t in theirs.items()]
+    fields = sorted({k for t in theirs.values() for k in want if t[k] != want[k]})
+    raise CollectiveMismatchError(
+        f"{topo.label()}: the ranks of the {call.where} group {list(call.ranks)} reached their collective "
+        f"#{call.seq} on it with different {', '.join(fields)}:\n" + "\n".join(lines) + "\nEvery rank of a group "
+        "must make the same collectives, in the same order, with the same shapes and dtypes: look for a branch "
+        "on the rank, a skipped step or a tensor of another shape. Nothing was sent; the group is still usable"
+    )
+
+
 @contextmanager
 def guarded(
     topo: Topology,
@@ -216,9 +251,6 @@ def guarded(
     _note()
     try:
         if topo.debug if check is None else check:
-            # fingerprint.py builds on this module (its wrappers run inside guarded), so it is looked up here
-            from meshwise.debug.fingerprint import compare
-
             compare(topo, call)
         yield
     except Exception as exc:
@@ -428,10 +460,12 @@ class _Watchdog:
         self.topo = topo
         self.stopped = threading.Event()
         # One store connection per thread: a client serves one request at a time, and the answering thread's
-        # connection is blocked on its queue for the life of the run.
+        # connection is blocked on its queue for the life of the run. The stall thread's own connection is made
+        # when it first reports: past about two connections per rank, a store's new clients wait 5 s each
+        # (measured: 8 gloo ranks with three connections each joined in 5.2 s, with two in 0.2 s).
         self.inbox = default_store().clone()
         self.inbox.set_timeout(datetime.timedelta(days=365))
-        self.outbox = default_store().clone()
+        self.outbox: dist.Store | None = None
         self.answer = threading.Thread(target=self._answer, name="meshwise-watchdog", daemon=True)
         self.stall = threading.Thread(target=self._watch_stalls, name="meshwise-stall-check", daemon=True)
         self.answer.start()
@@ -446,8 +480,11 @@ class _Watchdog:
                 return  # the store is gone: the job is over
             if message == b"stop" or self.stopped.is_set():
                 return
-            with contextlib.suppress(RuntimeError, dist.DistError, OSError, ValueError):
+            with contextlib.suppress(RuntimeError, dist.DistError, OSError, ValueError, KeyError):
                 info = json.loads(message)
+                if "stop_at" in info:  # a peer got SIGINT/SIGTERM: stop after that step too
+                    interrupt.learn(info["stop_at"], info["signal"])
+                    continue
                 record = _snapshot(self.topo)
                 record["stacks"] = _write_stacks(self.topo, info, record)
                 self.inbox.set(f"{STORE_PREFIX}/answer/{info['n']}/{self.topo.rank}", json.dumps(record))
@@ -470,6 +507,7 @@ class _Watchdog:
                 f"collective timeout of {limit:.0f}s"
             )
             with contextlib.suppress(RuntimeError, dist.DistError, ValueError):
+                self.outbox = self.outbox or default_store().clone()
                 info = _request(self.topo, self.outbox, text)
                 text += f". Python stacks of every rank: {info['folder']}"
             print(f"meshwise: stall: {text}", file=sys.stderr, flush=True)

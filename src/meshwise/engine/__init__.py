@@ -3,16 +3,16 @@
 :mod:`~meshwise.engine.trainer` (``create_trainer``, ``TrainStep``, ``MeshEngine``), :mod:`~meshwise.engine.evaluator`
 (``create_evaluator``, ``EvalMetrics``), :mod:`~meshwise.engine.batch` (batch preparation both share, ``shift_labels``),
 :mod:`~meshwise.engine.handlers` (``Checkpointing``, ``ProgressBar``, ``PeriodicEvaluation``, ``TimeBudget``),
-:mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``) and :mod:`~meshwise.engine.ignite_habits`
+:mod:`~meshwise.engine.run_log` (``RunLogger``, ``setup_logging``) and :mod:`~meshwise.engine.ignite_engine`
 (``on_mesh``, the supervised helpers' ``prepare_batch``/``global_loss``). See docs/training.md, docs/ignite.md.
 """
 
 from __future__ import annotations
 
-from meshwise.engine.batch import shift_labels
+from meshwise.causal_lm import shift_labels
 from meshwise.engine.evaluator import EvalMetrics, create_evaluator
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
-from meshwise.engine.ignite_habits import on_mesh
+from meshwise.engine.ignite_engine import on_mesh
 from meshwise.engine.run_log import RunLogger, setup_logging
 from meshwise.engine.trainer import MeshEngine, TrainStep, create_trainer
 

@@ -1,5 +1,5 @@
 """Batch preparation shared by the trainer and the evaluator: the user's hook, device moves, rows and micro-batches,
-and the causal-LM label shift (``shift_labels``) with the check that tells unshifted labels apart."""
+and plain values of DTensor losses and outputs (the causal-LM label conventions are in :mod:`meshwise.causal_lm`)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,18 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshwise.causal_lm import Batch
 from meshwise.errors import MeshwiseError
-from meshwise.topology import Topology, resolve
 
 __all__ = [
-    "IGNORE_INDEX",
-    "Batch",
     "full_tensors",
-    "labels_unshifted",
+    "positional_fields",
     "local_value",
     "ready_batch",
     "row_count",
-    "shift_labels",
     "split_rows",
     "take_rows",
 ]
-
-Batch = Mapping[str, Any]
-
-IGNORE_INDEX = -100
-"""The target value that ``loss_weight="labels"`` does not count: PyTorch's and Hugging Face's ``ignore_index``."""
 
 
 def ready_batch(
@@ -44,6 +36,7 @@ def ready_batch(
     """
     if prepare is not None:
         batch = prepare(batch)
+    batch = positional_fields(batch, who, error)
     if not isinstance(batch, Mapping):
         raise error(
             f"the {who} expects dict batches, got {type(batch).__name__}: use meshwise.data.mesh_dataloader "
@@ -53,6 +46,31 @@ def ready_batch(
         k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) and v.device != device else v
         for k, v in batch.items()
     }
+
+
+_KEPT = ("valid", "index")  # what mesh_dataloader adds to a sample's own fields
+
+
+def positional_fields(batch: Any, who: str, error: type[MeshwiseError] = MeshwiseError) -> Any:
+    """Tuple samples (``TensorDataset``) named: a batch of two positional fields (a tuple/list, or
+    ``mesh_dataloader``'s ``"0"``, ``"1"``) becomes ``{"input": ..., "target": ...}``; more than two are refused
+    with the keys to pass. Any other batch is returned as is."""
+    if isinstance(batch, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in batch):
+        batch = {str(i): v for i, v in enumerate(batch)}
+    elif not isinstance(batch, Mapping):
+        return batch
+    own = [k for k in batch if k not in _KEPT]
+    if not own or not all(isinstance(k, str) and k.isdigit() for k in own):
+        return batch
+    if len(own) == 2:
+        return {"input": batch["0"], "target": batch["1"], **{k: batch[k] for k in _KEPT if k in batch}}
+    names = ", ".join(repr(k) for k in own)
+    raise error(
+        f"the {who}'s samples are tuples of {len(own)} unnamed fields ({names}: a TensorDataset), so it cannot tell "
+        f"which is the input and which the target: name them with prepare=lambda b: {{'input': b['0'], "
+        f"'target': b['1'], ...}} (input_key=/target_key= choose the names read), or give the loader dict samples "
+        "(meshwise.data.ArrayDataset({'input': x, 'target': y}))"
+    )
 
 
 def row_count(batch: Batch, input_key: str) -> int:
@@ -109,89 +127,3 @@ def full_tensors(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(full_tensors(v) for v in value)
     return value
-
-
-def loss_input(output: Any) -> Any:
-    """What ``loss_fn`` gets of the model's output: a transformers ``ModelOutput``'s ``logits``, else the output.
-
-    A ``ModelOutput`` is a Mapping with ``to_tuple`` (no transformers import needed); plain dicts pass
-    through unchanged, since a user's own dict output is the user's convention.
-    """
-    if isinstance(output, Mapping) and hasattr(output, "to_tuple") and "logits" in output:
-        return output["logits"]
-    return output
-
-
-def shift_labels(
-    batch: Batch, topology: Topology | None = None, *, key: str = "target", ignore_index: int = IGNORE_INDEX
-) -> dict[str, Any]:
-    """``batch`` with ``batch[key]`` shifted as a causal-LM loss needs: label ``t + 1`` scores logit ``t``.
-
-    Hugging Face's own shift (``ForCausalLMLoss``), done on the batch instead of inside the loss: row ``r`` becomes
-    ``labels[r, 1:]`` followed by ``ignore_index``. Meant as the trainer's hook for the ``labels = input_ids``
-    habit: ``create_trainer(..., prepare=shift_labels, loss_weight="labels")`` (for other key names
-    ``prepare=functools.partial(shift_labels, key="labels")``) with a ``loss_fn`` that does not shift. A batch
-    without ``key`` (a pipeline stage that does not read the labels) passes through unchanged. Under a split
-    (context-parallel) dim of size > 1 a rank holds chunks of each sequence, whose last label belongs to another
-    rank: refused (:class:`MeshwiseError`); shift before the split instead (a ``shift_labels`` field in the data).
-    """
-    labels = batch.get(key)
-    if not isinstance(labels, torch.Tensor):
-        return dict(batch)
-    topo = resolve(topology)
-    if topo.size(topo.split_dims) > 1:
-        raise MeshwiseError(
-            f"shift_labels cannot shift batch[{key!r}] here: the split dims {topo.split_dims} give each rank chunks "
-            "of every sequence, and a chunk's last label is the first token of the next chunk, on another rank. "
-            "Shift before the tokens are split: store the shifted labels in the dataset (a 'shift_labels' field, "
-            "which the trainer uses as the target, or input = w[:, :-1] and target = w[:, 1:]; docs/context.md)"
-        )
-    if labels.ndim < 2:
-        raise MeshwiseError(
-            f"shift_labels needs batch[{key!r}] of shape [batch, sequence], got {tuple(labels.shape)}: it shifts "
-            "each row's labels by one token"
-        )
-    pad = labels.new_full((*labels.shape[:1], 1, *labels.shape[2:]), ignore_index)
-    return {**batch, key: torch.cat([labels[:, 1:], pad], dim=1)}
-
-
-def labels_unshifted(batch: Batch, input_key: str, target_key: str, ignore_index: int = IGNORE_INDEX) -> bool | None:
-    """Whether ``batch``'s targets are its inputs (``labels = input_ids``) rather than the next tokens.
-
-    True when every scored target (not ``ignore_index``) equals the input at its own position and, where token
-    ``t + 1`` follows token ``t`` (the batch's ``positions`` say so under context parallel; else neighbours do),
-    targets break the shift (target ``t`` = input ``t + 1``) more often than they keep it. Shifted targets keep
-    it everywhere but at a chunk's border, so they are never called unshifted. False when some scored target
-    differs from its input. None (undecided) where both readings fit (runs of one repeated token), without
-    integer ``[batch, sequence]`` inputs and targets of one shape (``input_key`` or ``input_ids``: e.g. a
-    pipeline stage that does not read the inputs), or without a scored target.
-    """
-    target = batch.get(target_key)
-    if not isinstance(target, torch.Tensor) or target.ndim < 2 or target.is_floating_point():
-        return None
-    inputs = next(
-        (
-            v
-            for v in (batch.get(input_key), batch.get("input_ids"))
-            if isinstance(v, torch.Tensor) and v.shape == target.shape and not v.is_floating_point()
-        ),
-        None,
-    )
-    if inputs is None:
-        return None
-    valid = batch.get("valid")
-    keep = valid.bool() if isinstance(valid, torch.Tensor) and valid.shape[:1] == target.shape[:1] else slice(None)
-    target, inputs = target[keep], inputs[keep]
-    scored = target != ignore_index
-    if not bool(scored.any()):
-        return None
-    if not bool((target == inputs)[scored].all()):
-        return False
-    pairs = scored[:, :-1]
-    positions = batch.get("positions")
-    if isinstance(positions, torch.Tensor) and positions.shape == batch[target_key].shape:
-        positions = positions[keep]
-        pairs = pairs & (positions[:, 1:] == positions[:, :-1] + 1)
-    kept = int((pairs & (target[:, :-1] == inputs[:, 1:])).sum())
-    broken = int(pairs.sum()) - kept
-    return True if broken > kept else None  # else mostly repeated tokens: both readings fit

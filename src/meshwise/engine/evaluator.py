@@ -11,13 +11,16 @@ from ignite.metrics import Metric as IgniteMetric
 from torch import nn
 from torchmetrics import Metric, MetricCollection
 
+from meshwise.causal_lm import Batch, loss_input, target_of
 from meshwise.data import MeshSampler
 from meshwise.debug import guarded
-from meshwise.engine.batch import Batch, full_tensors, loss_input, ready_batch
+from meshwise.engine.attach_checks import check_on_attach
+from meshwise.engine.batch import full_tensors, ready_batch
+from meshwise.engine.pipeline_steps import PipelineEvalStep
 from meshwise.errors import MetricError
 from meshwise.metrics import MeshMetric, Select, adopt_ignite_metrics, compute_all
-from meshwise.parallel.apply import reshard
-from meshwise.parallel.pipeline import pipeline_of
+from meshwise.parallel.data_parallel import reshard
+from meshwise.parallel.stages import pipeline_of
 from meshwise.topology import Topology, resolve
 
 __all__ = ["EvalMetrics", "check_eval_loader", "create_evaluator"]
@@ -180,7 +183,8 @@ def create_evaluator(
     mode under ``torch.no_grad()``: ``output = forward(model, batch)`` (default ``model(batch[input_key])``;
     a transformers ``ModelOutput`` becomes its ``logits``, as in the trainer; a DTensor output its full tensor).
     Each metric then updates with ``select(output, batch)``
-    (default ``(output, batch[target_key])``; a :class:`MeshMetric`'s own ``select`` wins), keeping only the
+    (default ``(output, batch[target_key])``, or the batch's ``shift_labels`` field where it has one, as the
+    trainer's target; a :class:`MeshMetric`'s own ``select`` wins), keeping only the
     rows where ``batch["valid"]`` is True. The metrics are held by an :class:`EvalMetrics` handler: reset at
     every epoch start; at ``EPOCH_COMPLETED`` computed with one fused sync over the topology's batch + split
     dims, and ``engine.state.metrics`` holds the same values on every rank. A plain ``Metric`` or
@@ -206,12 +210,10 @@ def create_evaluator(
         topo,
         handler,
         forward or (lambda m, b: m(b[input_key])),
-        select or (lambda output, batch: (output, batch[target_key])),
+        select or (lambda output, batch: (output, target_of(batch, target_key))),
         prepare,
     )
     if isinstance(model, nn.Module) and pipeline_of(model) is not None:  # a forward schedule (docs/pipeline.md)
-        from meshwise.engine.pipeline import PipelineEvalStep
-
         step = PipelineEvalStep(step, input_key, forward)
     engine = Engine(step)
     was_training: list[bool] = []
@@ -235,4 +237,4 @@ def create_evaluator(
     engine.add_event_handler(Events.STARTED, started)
     handler.attach(engine)
     engine.add_event_handler(Events.COMPLETED, completed)
-    return engine
+    return check_on_attach(engine, topo)  # ignite loggers leader-only, a DiskSaver of shards refused when attached

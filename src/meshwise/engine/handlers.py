@@ -14,8 +14,9 @@ import torch.distributed as dist
 from ignite.engine import Engine, Events
 
 from meshwise.checkpoint import Checkpointer
-from meshwise.checkpoint.state import classify
-from meshwise.debug import guarded
+from meshwise.checkpoint.objects import classify
+from meshwise.debug import guarded, interrupt
+from meshwise.engine import stop
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
 
@@ -55,9 +56,12 @@ class ProgressBar:
 
     ``total`` is the number of iterations this run will do (e.g. ``max_iters - start``); by default it is
     what is left of the run at its first iteration (a resumed run counts only what remains). The bar shows
-    ``engine.state.output`` as ``output_name`` and, with ``attach(..., evaluators={"val": evaluator})``,
-    each evaluator's latest metrics as ``val_<name>``. ``tqdm_kwargs`` go to tqdm (``desc=``, ``file=``,
-    ``ncols=``, ...). On other ranks :meth:`attach` adds nothing; ``enabled`` tells which.
+    the epoch (``epoch 2/3``), ``engine.state.output`` as ``output_name``, the learning rate, the rate
+    (``samples/s``, and ``tok/s`` for token-id inputs, averaged over recent steps) and this rank's peak memory
+    from the engine's :class:`~meshwise.engine.observe.Observer` (``create_trainer`` attaches one; on another
+    engine the bar attaches one without the FLOP count), and, with ``attach(..., evaluators={"val":
+    evaluator})``, each evaluator's latest metrics as ``val_<name>``. ``tqdm_kwargs`` go to tqdm (``desc=``,
+    ``file=``, ``ncols=``, ...). On other ranks :meth:`attach` adds nothing; ``enabled`` tells which.
     """
 
     BAR_FORMAT = "{desc}[{n_fmt}/{total_fmt}] {percentage:3.0f}%|{bar}|{postfix} [{elapsed}<{remaining}]"
@@ -79,11 +83,16 @@ class ProgressBar:
         self.enabled = self.topology.rank == 0
         self.evaluators: dict[str, Engine] = {}
         self.bar: Any = None
+        self.observer: Any = None
+        self._epoch: int | None = None
 
     def attach(self, engine: Engine, evaluators: Mapping[str, Engine] | None = None) -> ProgressBar:
         """Draw the bar over ``engine``'s iterations (rank 0 only); show ``evaluators``' metrics by their tag."""
         self.evaluators = dict(evaluators or {})
         if self.enabled:
+            from meshwise.engine.observe import observe
+
+            self.observer = observe(engine, self.topology, collectives=False)  # attached on rank 0 only
             engine.add_event_handler(Events.ITERATION_COMPLETED, self._update)
             engine.add_event_handler(Events.COMPLETED, lambda _: self.close())
         return self
@@ -98,12 +107,24 @@ class ProgressBar:
             total = None if end is None else end - engine.state.iteration + 1
         self.bar = tqdm(total=total, **self.tqdm_kwargs)
 
-    def postfix(self, engine: Engine) -> dict[str, float]:
-        """What the bar shows after the numbers: the loss, then each evaluator's latest scalar metrics."""
-        shown: dict[str, float] = {}
+    def postfix(self, engine: Engine) -> dict[str, Any]:
+        """What the bar shows after the numbers: the loss, lr, rates and memory, then each evaluator's metrics."""
+        shown: dict[str, Any] = {}
         loss = scalar(engine.state.output)
         if loss is not None:
             shown[self.output_name] = loss
+        observed = self.observer.values if self.observer is not None else {}
+        rates = self.observer.smoothed if self.observer is not None else {}
+        if "lr" in observed:
+            shown["lr"] = f"{observed['lr']:.3g}"
+        if "samples_per_s" in rates:
+            shown["samples/s"] = f"{rates['samples_per_s']:.4g}"
+        if "tokens_per_s" in rates:
+            shown["tok/s"] = f"{rates['tokens_per_s']:.4g}"
+        if "mfu" in rates:
+            shown["mfu"] = f"{rates['mfu']:.1%}"
+        if "peak_mem_mb" in observed:
+            shown["mem"] = f"{observed['peak_mem_mb']:.0f}MB"
         for tag, evaluator in self.evaluators.items():
             for name, value in evaluator.state.metrics.items():
                 number = scalar(value)
@@ -114,6 +135,10 @@ class ProgressBar:
     def _update(self, engine: Engine) -> None:
         if self.bar is None:
             self._open(engine)
+        epoch, most = engine.state.epoch, engine.state.max_epochs
+        if epoch != self._epoch and "desc" not in self.tqdm_kwargs:
+            self._epoch = epoch
+            self.bar.set_description(f"epoch {epoch}/{most} " if most else f"epoch {epoch} ", refresh=False)
         self.bar.set_postfix(self.postfix(engine), refresh=False)
         self.bar.update(1)
 
@@ -298,6 +323,12 @@ class Checkpointing:
     completes the run is said so (INFO on rank 0) and the run ends without an iteration;
     ``engine.state.output`` then stays None. At ``COMPLETED`` a pending async save is waited for.
     ``resumed`` is the :class:`~meshwise.checkpoint.CheckpointInfo` of the load, or None.
+
+    A run stopped by SIGINT or SIGTERM (Ctrl-C, SLURM's pre-kill signal, ``scancel``) stops on every rank after
+    the same step; with ``save_on_stop`` (the default) a checkpoint of that step is written and waited for
+    before the process exits, so the resume loses no step. Saves are atomic: a save cut short by the final
+    kill leaves the previous checkpoint as ``latest``. ``save_on_stop=False`` exits at once, resuming from the
+    last periodic save.
     """
 
     def __init__(
@@ -307,6 +338,7 @@ class Checkpointing:
         every_iterations: int | None = None,
         every_epochs: int | None = None,
         resume: bool = True,
+        save_on_stop: bool = True,
         **objects: Any,
     ) -> None:
         if not isinstance(checkpointer, Checkpointer):
@@ -322,6 +354,7 @@ class Checkpointing:
         classify(objects)  # the checkpointer's own check: fail at set-up, not at the first save
         self.checkpointer = checkpointer
         self.every_iterations, self.every_epochs, self.resume = every_iterations, every_epochs, resume
+        self.save_on_stop = bool(save_on_stop)
         self.objects = dict(objects)
         self.resumed: Any = None
         self._started = False
@@ -341,7 +374,17 @@ class Checkpointing:
         if self.every_epochs is not None:
             engine.add_event_handler(Events.EPOCH_COMPLETED(every=self.every_epochs), self._save)
         engine.add_event_handler(Events.COMPLETED, lambda _: self.checkpointer.wait())
+        engine.add_event_handler(Events.TERMINATE, self._on_stop)
         return self
+
+    def _on_stop(self, engine: Engine) -> None:
+        if not stop.stopping(engine):
+            return  # terminate() by the user or TimeBudget: COMPLETED follows and waits for the save
+        if self.save_on_stop:
+            self._save(engine)
+        self.checkpointer.wait()
+        step = self.checkpointer.latest_step()
+        interrupt.note_checkpoint(step, self.checkpointer.root, step == engine.state.iteration)
 
     def _save(self, engine: Engine) -> None:
         if self.checkpointer.last_saved_step != engine.state.iteration:
@@ -356,8 +399,11 @@ class Checkpointing:
         self.resumed = self.checkpointer.load("latest", **self.objects)
         end = _run_end(engine.state)
         if end is not None and engine.state.iteration >= end and self.checkpointer.topology.rank == 0:
-            log.info(
-                "checkpoint step %d already completes this run (%s): nothing left to train",
+            log.warning(
+                "checkpoint step %d in %s already completes this run (%s): nothing left to train. To train again "
+                "from the start, delete that folder or give the run another one; to train on, raise %s",
                 self.resumed.step,
+                self.checkpointer.root,
                 _limit_text(engine.state),
+                "max_iters" if engine.state.max_iters is not None else "max_epochs",
             )

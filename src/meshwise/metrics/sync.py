@@ -19,6 +19,7 @@ from torchmetrics.utilities.data import dim_zero_cat, dim_zero_mean, dim_zero_su
 from meshwise import compat
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, MetricSyncTimeout
+from meshwise.rendezvous import WIRE_DTYPES
 from meshwise.topology import Topology
 
 __all__ = ["is_fused", "leaves", "replica_check", "sync_failure", "sync_states", "to_cpu"]
@@ -26,18 +27,6 @@ __all__ = ["is_fused", "leaves", "replica_check", "sync_failure", "sync_states",
 # --------------------------------------------------------------------------- state classification
 
 _SUM, _MEAN, _SLOT, _CAT, _FALLBACK = "sum", "mean", "slot", "cat", "fallback"
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-)
 _MAX_DIMS = 8
 _META = 3 + _MAX_DIMS - 1  # numel, dtype code, ndim, trailing dims
 
@@ -137,7 +126,7 @@ def _local_cat(value: Any) -> Tensor | None:
 
 def _code(dtype: torch.dtype) -> int:
     try:
-        return _DTYPES.index(dtype) + 1
+        return WIRE_DTYPES.index(dtype) + 1
     except ValueError:
         raise MetricError(
             f"metric state dtype {dtype} cannot be synced by meshwise; use a real or integer state"
@@ -241,7 +230,7 @@ def _gather_cats(
             continue
         r = known[0]
         ndim = int(meta[r, s, 2])
-        kinds.append((_DTYPES[int(meta[r, s, 1]) - 1], tuple(int(d) for d in meta[r, s, 3 : 3 + ndim - 1])))
+        kinds.append((WIRE_DTYPES[int(meta[r, s, 1]) - 1], tuple(int(d) for d in meta[r, s, 3 : 3 + ndim - 1])))
     floating = any(dt.is_floating_point for dt, _ in kinds)
     dtype = torch.float64 if floating else torch.int64
     mine = torch.zeros(longest, dtype=dtype, device=device)

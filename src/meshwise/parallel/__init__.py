@@ -7,18 +7,18 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "parallelize": "meshwise.parallel.apply",
-    "clip_grad_norm": "meshwise.parallel.apply",
-    "check_data_parallel": "meshwise.parallel.apply",
-    "reshard": "meshwise.parallel.apply",
+    "parallelize": "meshwise.parallel.placement",
+    "clip_grad_norm": "meshwise.parallel.clipping",
+    "check_data_parallel": "meshwise.parallel.data_parallel",
+    "reshard": "meshwise.parallel.data_parallel",
     "halo_exchange": "meshwise.parallel.halo",
-    "PipelineModel": "meshwise.parallel.pipeline",
-    "pipeline_of": "meshwise.parallel.pipeline",
-    "pipeline_units": "meshwise.parallel.pipeline",
-    "stage_cuts": "meshwise.parallel.pipeline",
+    "PipelineModel": "meshwise.parallel.stages",
+    "pipeline_of": "meshwise.parallel.stages",
+    "pipeline_units": "meshwise.parallel.stages",
+    "stage_cuts": "meshwise.parallel.stages",
     "context_parallel": "meshwise.parallel.context",
     "check_attention_routed": "meshwise.parallel.context",
-    "hf_tp_plan": "meshwise.parallel.hf",
+    "hf_tp_plan": "meshwise.hf.plans",
     "memory_per_rank": "meshwise.parallel.precision",
     "Precision": "meshwise.parallel.precision",
 }

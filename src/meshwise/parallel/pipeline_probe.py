@@ -15,23 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from meshwise.errors import ParallelError
+from meshwise.rendezvous import WIRE_DTYPES
 
 __all__ = ["agree_input", "meta_copy", "probe_stages"]
 
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
 _MAX_DIMS = 8
 
 
@@ -56,7 +43,7 @@ def agree_input(value: torch.Tensor | None, group: dist.ProcessGroup, device: to
     vec = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
     if value is not None:
         vec[0] = value.ndim if value.ndim <= _MAX_DIMS else -1000
-        vec[1] = _DTYPES.index(value.dtype) + 1 if value.dtype in _DTYPES else -1000
+        vec[1] = WIRE_DTYPES.index(value.dtype) + 1 if value.dtype in WIRE_DTYPES else -1000
         if value.ndim <= _MAX_DIMS:
             vec[2 : 2 + value.ndim] = torch.tensor(value.shape, dtype=torch.int64)
     dist.all_reduce(vec, group=group)
@@ -67,7 +54,7 @@ def agree_input(value: torch.Tensor | None, group: dist.ProcessGroup, device: to
             "(the stages agree on its shape before each step): reshape it, or pass the other fields through the "
             "model's pieces"
         )
-    return tuple(dims[:ndim]), _DTYPES[code - 1]
+    return tuple(dims[:ndim]), WIRE_DTYPES[code - 1]
 
 
 def _user_line(error: BaseException) -> str:

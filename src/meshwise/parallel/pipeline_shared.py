@@ -18,7 +18,7 @@ __all__ = ["STAGE_COPIES", "SharedParameter", "check_shared", "find_shared", "su
 
 STAGE_COPIES = "meshwise_stage_copies"
 """The attribute a shared parameter (and its gradient after :func:`sum_shared_grads`) carries: how many stages
-hold an identical copy of it. :func:`meshwise.parallel.apply.local_norm_contribution` divides by it."""
+hold an identical copy of it. :func:`meshwise.parallel.clipping.local_norm_contribution` divides by it."""
 
 
 @dataclass

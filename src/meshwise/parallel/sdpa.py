@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from meshwise.errors import ParallelError
-from meshwise.parallel.context import ENTRY_POINT, ContextAttention, attention
+from meshwise.parallel.cp_attention import ENTRY_POINT, ContextAttention, attention
 from meshwise.parallel.routing import calls_sdpa, unwatched
 
 __all__ = ["SDPARoute", "route_sdpa", "sdpa_modules"]

@@ -5,6 +5,7 @@ that runs its share of them, keeping the full model's parameter names."""
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
@@ -12,9 +13,17 @@ from torch import nn
 
 from meshwise import compat
 from meshwise.errors import ParallelError
-from meshwise.parallel.hf import is_hf_model
+from meshwise.hf.plans import is_hf_model
 
-__all__ = ["HFDecoderStage", "hf_decoder_parts", "hf_default_cuts", "hf_stage", "hf_units"]
+__all__ = [
+    "DECODER_CUTTER",
+    "HFDecoderStage",
+    "check_pieces",
+    "hf_decoder_parts",
+    "hf_default_cuts",
+    "hf_stage",
+    "hf_units",
+]
 
 
 Parts = tuple[str, tuple[str, ...], str, tuple[str, ...], str]
@@ -142,3 +151,69 @@ class HFDecoderStage(nn.Module):
 def hf_stage(model: nn.Module, keep: set[str]) -> HFDecoderStage:
     """The stage of ``model`` holding the units in ``keep`` (names from :func:`hf_units`)."""
     return HFDecoderStage(model, keep, hf_decoder_parts(model))  # type: ignore[arg-type]
+
+
+def check_pieces(model: nn.Module) -> None:
+    """Refuse a decoder whose own forward computes more than its pieces in a row do (what every stage runs):
+    Cohere's ``logit_scale``, Gemma2's final logit softcapping, a layer fed more than hidden states, mask and
+    rotary positions. Proven in this process on a fixed 8-token window (eval mode, RNG state restored, the same on
+    every rank): the model's logits against the pieces' (embeddings, layers, norm, head). Not on the meta device."""
+    parts = hf_decoder_parts(model)
+    params = list(model.parameters())
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if parts is None or not params or any(p.device.type == "meta" for p in params) or vocab < 16:
+        return
+    prefix, _, _, _, head = parts
+    ids = ((torch.arange(8, device=params[0].device) * 5 + 3) % (vocab - 3) + 3)[None]
+    whole = types.SimpleNamespace(parts=parts, **{prefix: getattr(model, prefix), head: getattr(model, head)})
+    modes = {m: m.training for m in model.modules()}
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            model.eval()
+            out = model(input_ids=ids)
+            own = (out if isinstance(out, torch.Tensor) else out.logits).double()
+            try:
+                pieces = HFDecoderStage.forward(whole, ids).double()  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - the model runs, its pieces do not: each stage would fail
+                raise ParallelError(
+                    f"{type(model).__name__}'s pipeline pieces do not run on their own ({type(exc).__name__}: "
+                    f"{exc}), while its own forward does: a stage would fail on its rank alone and leave the others "
+                    "waiting (e.g. rotary embeddings per layer type, config.layer_types with sliding and full "
+                    "attention). Train it without a pp dim (dp, tp, cp)"
+                ) from exc
+    except ParallelError:
+        raise
+    except Exception:  # noqa: BLE001 - a model whose own forward fails here is judged at its first step
+        return
+    finally:
+        for m, training in modes.items():
+            m.train(training)
+    diff = (own - pieces).abs().max().item() if own.shape == pieces.shape else float("inf")
+    if diff > 1e-6 * (1.0 + own.abs().max().item()):
+        raise ParallelError(
+            f"{type(model).__name__}'s own forward computes more than its pipeline pieces in a row "
+            f"({[prefix, head]}: embeddings, layers, norm, head), so its stages would train another model (their "
+            f"logits {diff:.1e} off its own on a test window: e.g. a logit scale or softcap after the head, or "
+            "layers fed more than hidden states, mask and rotary positions). Train it without a pp dim (dp, tp, cp)"
+        )
+
+
+class _DecoderCutter:
+    """The :class:`~meshwise.parallel.stages.StageCutter` of transformers decoder-only models."""
+
+    def claims(self, model: nn.Module) -> bool:
+        return hf_decoder_parts(model) is not None
+
+    def units(self, model: nn.Module) -> list[str]:
+        check_pieces(model)
+        return hf_units(model)
+
+    def default_cuts(self, model: nn.Module, stages: int) -> list[str]:
+        return hf_default_cuts(model, stages)
+
+    def stage(self, model: nn.Module, keep: set[str]) -> nn.Module:
+        return hf_stage(model, keep)
+
+
+DECODER_CUTTER = _DecoderCutter()
+"""Registered with :func:`meshwise.parallel.stages.on_stage_cutter` by :mod:`meshwise.hf`."""

@@ -12,12 +12,13 @@ import torch.distributed as dist
 from ignite.engine import Engine
 from torch import nn
 
+from meshwise.causal_lm import Batch
 from meshwise.debug import guarded
-from meshwise.engine.batch import Batch, full_tensors, local_value, ready_batch, row_count, take_rows
-from meshwise.engine.trainer import TrainStep, check_scalar_loss
+from meshwise.engine.batch import full_tensors, local_value, ready_batch, row_count, take_rows
+from meshwise.engine.train_step import TrainStep, call_loss, check_scalar_loss
 from meshwise.errors import MetricError, ParallelError
-from meshwise.parallel.apply import local_norm_contribution
-from meshwise.parallel.pipeline import PipelineModel, pipeline_of
+from meshwise.parallel.clipping import local_norm_contribution
+from meshwise.parallel.stages import PipelineModel, pipeline_of
 from meshwise.topology import Topology
 
 __all__ = ["PipelineEvalStep", "PipelineTrainStep", "stage_input"]
@@ -167,7 +168,7 @@ class PipelineTrainStep(TrainStep):
         micro, keep, _ = self._selected[i]
         if keep is not None:
             output = _take_output(output, size, keep)
-        loss = self.loss_fn(output, micro if self.target_key is None else micro[self.target_key])
+        loss = call_loss(self.loss_fn, output, micro if self.target_key is None else micro[self.target_key])
         check_scalar_loss(loss)
         self._losses[i] = local_value(loss).double()  # torch's shape inference calls this once first: overwritten
         scale = self._counts[i] * self.data_parallel / self.reference

@@ -12,24 +12,22 @@ import math
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.parts import FieldPart, PartSpec, as_parts, resolve_part
+from meshwise.data.options import LoaderOptions
+from meshwise.data.parts import FieldPart, as_parts, resolve_part
+from meshwise.data.reading import balanced_positions
 from meshwise.data.sampler import READS, CursorLoader
 from meshwise.data.sources import ArrayDataset, read_factor, torch_dtype
-from meshwise.data.streaming import MeshStreamLoader, is_streaming
 from meshwise.dryrun import note_loader
 from meshwise.errors import DataError, DataWarning
 from meshwise.topology import Topology
 
-if TYPE_CHECKING:
-    from meshwise.data.mapped import MeshSampleLoader
-
-__all__ = ["READS", "MeshDataLoader", "balanced_positions", "mesh_dataloader"]
+__all__ = ["READS", "MeshDataLoader"]
 
 _ALIGN = 64
 
@@ -163,35 +161,6 @@ def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], 
     return {n for key, fields in lists.items() if wanted[key] for n in fields}
 
 
-def balanced_positions(parts: Mapping[str, FieldPart], names: Sequence[str]) -> torch.Tensor | None:
-    """The token positions of this rank's balanced parts (every balanced field must agree), or ``None``."""
-    balanced = {n: p for n, p in parts.items() if p.balanced is not None}
-    if not balanced:
-        return None
-    if "positions" in names:
-        raise DataError(
-            "a balanced Shard adds batch['positions'] (the global index of each loaded token), but the dataset "
-            "already has a field 'positions': rename that field"
-        )
-    first, part = next(iter(balanced.items()))
-    dim, axis = part.balanced
-    for name, other in parts.items():
-        axes = dict(other.placements)
-        if name == first or axes.get(dim) is None:
-            continue
-        their = other.balanced or (dim, axes[dim])
-        n, m = part.sample_shape[axis], other.sample_shape[their[1]]
-        if other.balanced is None or their[1] != axis or n != m:
-            raise DataError(
-                f"split dim {dim!r} splits the windows two ways (two axes or two orders): field {first!r} is split "
-                f"balanced along axis {axis} "
-                f"({n} cells), field {name!r} {'balanced' if other.balanced else 'in plain chunks'} along axis "
-                f"{their[1]} ({m} cells); the tokens of a window must be split one way: give every field sharded over "
-                f"{dim!r} Shard({axis}, dim={dim!r}, balanced=True) on windows of the same length"
-            )
-    return part.positions()
-
-
 class MeshDataLoader(CursorLoader):
     """Iterate dict batches for this rank: fields ``[B_local, *part shape]``, ``valid`` (bool), ``index`` (int64).
 
@@ -205,33 +174,22 @@ class MeshDataLoader(CursorLoader):
         dataset: ArrayDataset | Mapping[str, Any],
         topology: Topology | None = None,
         *,
-        global_batch_size: int,
-        mode: str = "train",
-        seed: int = 0,
-        drop_last: bool = True,
-        parts: Mapping[str, PartSpec] | Any = None,
-        read: str = "each",
-        num_workers: int = 0,
-        prefetch_factor: int | None = None,
-        multiprocessing_context: Any = None,
-        stage_fields: Mapping[str, Sequence[str]] | None = None,
+        options: LoaderOptions | None = None,
+        **keywords: Any,
     ) -> None:
+        """``options`` (or the same as keyword arguments: see :class:`LoaderOptions`); ``collate_fn`` is refused."""
+        options = LoaderOptions.of(options, keywords, "MeshDataLoader")
+        if options.collate_fn is not None:
+            raise DataError(
+                "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "
+                "post-process the batch dict instead"
+            )
         if not isinstance(dataset, ArrayDataset):
             dataset = ArrayDataset(dataset)
         self.dataset = dataset
-        topology = self._setup(
-            topology,
-            len(dataset),
-            global_batch_size=global_batch_size,
-            mode=mode,
-            seed=seed,
-            drop_last=drop_last,
-            read=read,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            multiprocessing_context=multiprocessing_context,
-        )
-        parts = as_parts(parts, topology)  # a mapping, or a model that states its input_parts
+        topology = self._setup(topology, len(dataset), options)
+        stage_fields = options.stage_fields
+        parts = as_parts(options.parts, topology)  # a mapping, or a model that states its input_parts
         unknown = sorted(set(parts) - set(dataset.names))
         if unknown:
             raise DataError(f"parts names field(s) {unknown} that the dataset lacks; its fields are {dataset.names}")
@@ -307,68 +265,5 @@ class MeshDataLoader(CursorLoader):
             batch = self._share(buffer)
             if self.positions is not None:  # one row per sample, so valid-row selection and micro-batches cut it
                 batch["positions"] = self.positions.expand(len(local), -1)
-            batch["valid"] = torch.from_numpy(local >= 0)
-            batch["index"] = torch.from_numpy(local.copy())
-            self.bytes_read += nbytes
-            self.sampler.advance()  # the cursor counts batches handed out, not batches prefetched
-            cursor = self._cursor()
+            cursor = self._hand_out(batch, local, nbytes)
             yield batch
-
-    def __repr__(self) -> str:
-        return (
-            f"MeshDataLoader({len(self.dataset)} samples, global batch {self.sampler.global_batch_size}, "
-            f"local {self.local_batch_size}, mode {self.sampler.mode!r}, read {self.read!r}, {len(self)} steps)"
-        )
-
-
-def mesh_dataloader(
-    dataset: ArrayDataset | Mapping[str, Any],
-    topology: Topology | None = None,
-    *,
-    global_batch_size: int,
-    mode: str = "train",
-    seed: int = 0,
-    drop_last: bool = True,
-    parts: Mapping[str, PartSpec] | Any = None,
-    read: str = "each",
-    num_workers: int = 0,
-    **kwargs: Any,
-) -> MeshDataLoader | MeshSampleLoader | MeshStreamLoader:
-    """A loader that gives this rank ``global_batch_size // topology.data_size`` samples a step, parts only.
-
-    ``mode="train"``: a permutation per (seed, epoch), last partial batch dropped or (``drop_last=False``)
-    padded; ``mode="eval"``: every sample exactly once, padded rows have ``valid=False`` and ``index=-1``.
-    ``parts`` maps a field to ``Shard(axis, halo)``/``Replicate()`` over the split dims; ``read`` picks who
-    reads in a replica group: ``"each"``, ``"broadcast"`` (the leader reads) or ``"scatter"`` (1/k each).
-    ``num_workers > 0`` reads in DataLoader worker processes (``prefetch_factor``, ``multiprocessing_context``
-    are passed through; the context defaults to ``"fork"`` where the platform has it).
-
-    A map-style torch ``Dataset`` or a ``datasets.Dataset`` gets a :class:`MeshSampleLoader` instead: samples
-    read by index and joined by ``collate_fn`` (default :func:`meshwise.data.pad_collate`), the same ``read``
-    strategies, and ``parts`` cut from the collated batch (balanced token chunks included).
-    A torch ``IterableDataset`` or a ``datasets.IterableDataset`` gets a :class:`MeshStreamLoader`: the stream
-    divided by data rank, read in order, with an exact resume at the same data size.
-    """
-    options = dict(
-        global_batch_size=global_batch_size,
-        mode=mode,
-        seed=seed,
-        drop_last=drop_last,
-        parts=parts,
-        read=read,
-        num_workers=num_workers,
-        **kwargs,
-    )
-    if is_streaming(dataset):
-        return MeshStreamLoader(dataset, topology, **options)
-    from meshwise.data.mapped import MeshSampleLoader  # mapped.py builds on this module
-
-    # a DatasetDict is a dict of splits, not of arrays: the sample loader's checks say to pick a split
-    if not isinstance(dataset, (ArrayDataset, Mapping)) or type(dataset).__name__.endswith("DatasetDict"):
-        return MeshSampleLoader(dataset, topology, **options)
-    if "collate_fn" in kwargs:
-        raise DataError(
-            "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "
-            "post-process the batch dict instead"
-        )
-    return MeshDataLoader(dataset, topology, **options)

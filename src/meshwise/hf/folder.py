@@ -18,9 +18,10 @@ from typing import Any
 import torch
 
 from meshwise import compat
-from meshwise.checkpoint.export import read_model
+from meshwise.checkpoint.consolidated import read_model
 from meshwise.checkpoint.safe import inside
 from meshwise.errors import CheckpointError
+from meshwise.hf.plans import is_hf_model
 
 __all__ = ["CONFIG_IGNORED", "export_hf", "load_hf"]
 
@@ -106,7 +107,7 @@ def export_hf(
     ties them again. Past ``max_shard_size`` bytes the weights are split into numbered files with
     ``model.safetensors.index.json``. A folder that already holds a model (config.json, an index or any .safetensors)
     is refused with nothing written. The checkpoint is read as data (``trust``: see
-    :func:`meshwise.checkpoint.export.read_model`). Returns ``out_dir``.
+    :func:`meshwise.checkpoint.consolidated.read_model`). Returns ``out_dir``.
     """
     from safetensors.torch import save_file
 
@@ -180,8 +181,6 @@ CONFIG_IGNORED = frozenset(
 
 def _check_config(path: Path, model: torch.nn.Module) -> None:
     """A transformers model and the folder's config.json must agree on every field that shapes the weights' meaning."""
-    from meshwise.parallel.hf import is_hf_model
-
     if not is_hf_model(model) or not (path / "config.json").is_file():
         return
     try:
@@ -227,8 +226,6 @@ def _counting_reader(path: Path) -> Any:
 def _restore_buffers(model: torch.nn.Module) -> None:
     """Recompute non-persistent buffers (rotary ``inv_freq``), which no safetensors file holds and ``to_empty``
     leaves uninitialised, with the model's own ``_init_weights``, as ``from_pretrained`` does."""
-    from meshwise.parallel.hf import is_hf_model
-
     init = compat.hf_init_weights(model)
     if not is_hf_model(model) or init is None:
         return
@@ -242,8 +239,6 @@ def _restore_buffers(model: torch.nn.Module) -> None:
 def _refuse_broken_tie(model: torch.nn.Module, missing: list[str]) -> None:
     """A config that ties the output embeddings to the input ones, on a model whose two are separate tensors: a
     meta-built model that ``to_empty`` materialised without tying (the folder holds the tied weight once)."""
-    from meshwise.parallel.hf import is_hf_model
-
     if not is_hf_model(model) or not getattr(model.config, "tie_word_embeddings", False):
         return
     inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()

@@ -4,12 +4,15 @@ parameter names, place TP and FSDP2 on each, and build torch.distributed.pipelin
 from __future__ import annotations
 
 import copy
+import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from meshwise.causal_lm import loss_input
 from meshwise.errors import ParallelError
 from meshwise.parallel.pipeline_probe import agree_input, meta_copy, probe_stages
 from meshwise.parallel.pipeline_shared import SharedParameter, check_shared, find_shared, sum_shared_grads
@@ -19,8 +22,11 @@ __all__ = [
     "SCHEDULES",
     "Cut",
     "PipelineModel",
+    "StageCutter",
     "check_microbatches",
     "check_schedule",
+    "cutter_of",
+    "on_stage_cutter",
     "pipeline_of",
     "pipeline_units",
     "split_model",
@@ -34,6 +40,38 @@ _ALIASES = {"interleaved": "interleaved1f1b", "interleaved_1f1b": "interleaved1f
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 Cut = Sequence[str] | Callable[[list[str], int], Sequence[str]]
+
+
+class StageCutter(Protocol):
+    """How to cut a family of models that an integration knows (meshwise.hf: transformers decoders) into stages."""
+
+    def claims(self, model: nn.Module) -> bool:
+        """Whether this cutter cuts ``model`` (it may raise for a model of its family it cannot cut)."""
+
+    def units(self, model: nn.Module) -> list[str]:
+        """The pieces a cut may separate, in model order."""
+
+    def default_cuts(self, model: nn.Module, stages: int) -> list[str]:
+        """The pieces each stage after the first starts at when no ``cut`` is given."""
+
+    def stage(self, model: nn.Module, keep: set[str]) -> nn.Module:
+        """The stage module running the pieces in ``keep``, with the full model's parameter names."""
+
+
+_CUTTERS: list[StageCutter] = []
+
+
+def on_stage_cutter(cutter: StageCutter) -> None:
+    """Register a :class:`StageCutter` (integrations do, so this layer never imports them)."""
+    if cutter not in _CUTTERS:
+        _CUTTERS.append(cutter)
+
+
+def cutter_of(model: nn.Module) -> StageCutter | None:
+    """The registered cutter that claims ``model``, or None (the generic cut of children and containers)."""
+    if "transformers" in sys.modules:  # the model may be a transformers decoder: load the integration's cutter
+        importlib.import_module("meshwise.hf")
+    return next((c for c in _CUTTERS if c.claims(model)), None)
 
 
 def check_schedule(schedule: str, stages_per_rank: int | None) -> tuple[str, int]:
@@ -99,11 +137,10 @@ def pipeline_units(model: nn.Module, cut: Sequence[str] | None = None) -> list[s
     ``ModuleDict``, ``Sequential``) opened at any depth (``"transformer.h.0"``, ``"transformer.h.1"``, ...), and
     every module on the path to a name in ``cut`` opened too, so a cut may name any submodule path. A Hugging
     Face decoder-only model cuts inside its base model instead: ``model.embed_tokens``, ``model.layers.0`` ...,
-    ``model.norm``, ``lm_head`` (:mod:`meshwise.parallel.hf_pipeline`)."""
-    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_units
-
-    if hf_decoder_parts(model) is not None:
-        return hf_units(model)
+    ``model.norm``, ``lm_head`` (:mod:`meshwise.hf.pipeline`)."""
+    cutter = cutter_of(model)
+    if cutter is not None:
+        return cutter.units(model)
     opened = _ancestors([c for c in cut or () if isinstance(c, str)])
     units: list[str] = []
 
@@ -176,9 +213,8 @@ def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[li
     in model order; a container's path starts at its first item), or is a function ``(units, stages) -> those
     names``; None cuts the largest block container evenly.
     """
-    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_default_cuts
-
-    hf = hf_decoder_parts(model) is not None
+    cutter = cutter_of(model)
+    hf = cutter is not None
     default_units = pipeline_units(model)
     if cut is None:
         if len(default_units) < stages:
@@ -187,7 +223,7 @@ def stage_cuts(model: nn.Module, stages: int, cut: Cut | None = None) -> list[li
                 f"({default_units}): use fewer stages (a smaller pp, or fewer stages_per_rank) or split the model "
                 "into more blocks"
             )
-        starts = hf_default_cuts(model, stages) if hf else _default_cuts(model, default_units, stages)
+        starts = cutter.default_cuts(model, stages) if cutter else _default_cuts(model, default_units, stages)
     else:
         starts = list(cut(list(default_units), stages) if callable(cut) else cut)
         if isinstance(cut, str) or not all(isinstance(s, str) for s in starts):
@@ -228,10 +264,9 @@ def _prune(model: nn.Module, keep: set[str], units: Sequence[str] | None = None)
     ``Sequential`` root), where it is removed, so iterating the container runs the kept items in order and
     their names keep their original keys.
     """
-    from meshwise.parallel.hf_pipeline import hf_decoder_parts, hf_stage
-
-    if hf_decoder_parts(model) is not None:
-        return hf_stage(model, keep)
+    cutter = cutter_of(model)
+    if cutter is not None:
+        return cutter.stage(model, keep)
     stage = copy.deepcopy(model)
     for unit in units if units is not None else pipeline_units(model, sorted(keep)):
         if unit in keep:
@@ -392,10 +427,8 @@ def _logits_of_model_output(module: nn.Module, args: Any, output: Any) -> Any:
     """The last stage's forward hook: a transformers ``ModelOutput`` becomes its ``logits``.
 
     torch's schedules take only tensors (or tuples of them) from a stage, and the trainer gives ``loss_fn`` a
-    ``ModelOutput``'s logits anyway (:func:`meshwise.engine.trainer.loss_input`); other outputs pass unchanged.
+    ``ModelOutput``'s logits anyway (:func:`meshwise.causal_lm.loss_input`); other outputs pass unchanged.
     """
-    from meshwise.engine.trainer import loss_input
-
     return loss_input(output)
 
 
@@ -444,9 +477,7 @@ def split_model(
 def _probes(model: nn.Module, units: list[list[str]]) -> list[nn.Module]:
     """Every stage of ``model`` on meta tensors (no data), to run a new input shape through before a step; none
     for a transformers decoder, whose stage forward is meshwise's own."""
-    from meshwise.parallel.hf_pipeline import hf_decoder_parts
-
-    if hf_decoder_parts(model) is not None:
+    if cutter_of(model) is not None:
         return []
     meta = meta_copy(model)
     flat = [u for part in units for u in part]

@@ -3,6 +3,8 @@ and the checks that stop ``idist.auto_dataloader``/``auto_model`` misuse instead
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,10 +18,11 @@ from torch.utils.data.distributed import DistributedSampler
 from meshwise.checkpoint import check_ignite_checkpoints
 from meshwise.debug import guarded
 from meshwise.debug.replicas import check_replicas, needs_check
+from meshwise.engine.attach_checks import check_on_attach
 from meshwise.engine.batch import local_value
 from meshwise.errors import DataError, ParallelError
 from meshwise.metrics import adopt_ignite_metrics
-from meshwise.parallel.apply import check_data_parallel
+from meshwise.parallel.data_parallel import check_data_parallel
 from meshwise.topology import Topology, resolve
 
 __all__ = ["check_loader", "check_model", "global_loss", "on_mesh", "prepare_batch", "run_ignite_checks"]
@@ -78,15 +81,23 @@ def check_model(model: nn.Module, topology: Topology | None = None) -> None:
 
 
 def _check_model(model: nn.Module, topo: Topology) -> None:
+    # A DeepSpeed engine averages its own gradients: its integration checks that its data group is the mesh's
+    if "deepspeed" in sys.modules and importlib.import_module("meshwise.deepspeed").check_engine(model, topo):
+        return
     kind = check_data_parallel(model)
     shared = [d for d in (*topo.replica_dims, *topo.split_dims) if topo.sizes[d] > 1]
-    if kind == "ddp" and shared:
-        group = getattr(model, "process_group", None)
-        size = dist.get_world_size(group) if group is not None else topo.world_size
+    group = getattr(model, "process_group", None) if kind == "ddp" else None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(topo.world_size))
+    # DDP over exactly the batch (+ split) group averages as the mesh does (layers with their own tensor-parallel
+    # communication, e.g. Megatron's); over the world it also averages across tp/cp peers
+    if kind == "ddp" and shared and ranks != topo.group_ranks(topo.metric_dims):
         raise ParallelError(
-            f"{topo.label()}: the model is DistributedDataParallel over {size} ranks (what idist.auto_model "
-            f"builds), which ignores the mesh's {_shared_dims(topo)} dims ({topo.layout.dims_text()}): pass the "
-            "plain module to meshwise.parallelize(model, topo, tp_plan=...) instead of idist.auto_model"
+            f"{topo.label()}: the model is DistributedDataParallel over ranks {ranks} (over the world: what "
+            f"idist.auto_model builds), which ignores the mesh's {_shared_dims(topo)} dims ({topo.layout.dims_text()})"
+            f": pass the plain module to meshwise.parallelize(model, topo, tp_plan=...) instead of idist.auto_model, "
+            f"or, for layers that do their own tensor-parallel communication (Megatron's), "
+            f"DistributedDataParallel(model, process_group=topo.group(topo.metric_dims)) (ranks "
+            f"{topo.group_ranks(topo.metric_dims)} here)"
         )
     if topo.size(topo.metric_dims) > 1 and kind is None:
         raise ParallelError(
@@ -136,6 +147,7 @@ def on_mesh(engine: Engine, topology: Topology | None = None, *, model: nn.Modul
             check_replicas(topo, e.state.batch, e.state.iteration)
 
     engine.add_event_handler(Events.STARTED, started)
+    check_on_attach(engine, topo)  # ignite loggers leader-only, a DiskSaver of shards refused when attached
     if needs_check(topo):
         engine.add_event_handler(Events.ITERATION_STARTED, compare)
     return engine

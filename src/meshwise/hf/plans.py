@@ -323,6 +323,7 @@ def hf_tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
             f"none of {type(model).__name__}'s tp plan entries ({sorted(strings)}) names a submodule: the plan does "
             "not fit this model; pass tp_plan= as a dict of names from model.named_modules()"
         )
+    check_unplanned(model, strings, named)
     if tied:
         # a tied embedding keeps its whole weight: sharding it would shard the lm_head that shares it
         for key in [k for k in plan if all(isinstance(named[n], nn.Embedding) for n in _matches(named, k))]:
@@ -330,99 +331,111 @@ def hf_tp_plan(model: nn.Module, tp: int) -> dict[str, Any]:
     return plan
 
 
-# --------------------------------------------------------------------------- context parallel
-
-ATTN_IMPLEMENTATION = "meshwise_cp"  # the name registered with transformers' AttentionInterface
-
-
-def _meshwise_cp_attention(
-    module: nn.Module,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    position_ids: Any = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
-    """transformers' attention-function signature over meshwise's context-parallel attention.
-
-    The mask transformers built is ignored: meshwise's attention is causal by the tokens' true positions,
-    which a split window's local mask cannot express.
-    """
-    from meshwise.parallel.context import ENTRY_POINT, attention
-
-    attn = getattr(module, ENTRY_POINT, None)
-    if attn is None:
-        raise ParallelError(
-            f"{type(module).__name__} runs attn_implementation={ATTN_IMPLEMENTATION!r} without meshwise's attention: "
-            "call meshwise.parallel.context.context_parallel(model, topo) on the model first"
-        )
-    if position_ids is None:
-        raise ParallelError(
-            f"{type(module).__name__} runs under context parallel without position_ids: call the model with "
-            "model(input_ids=batch['input'], position_ids=batch['positions'])"
-        )
-    if dropout:
-        raise ParallelError(f"attention dropout {dropout} under context parallel is not supported: set it to 0")
-    groups = query.shape[1] // key.shape[1]  # grouped-query attention: each kv head serves `groups` query heads
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = attention(
-        query,
-        key,
-        value,
-        position_ids,
-        attn.topology,
-        dim=attn.dim,
-        scale=scaling,
-        kind=attn.kind,
-        ring_above=attn.ring_above,
-    )
-    return out.transpose(1, 2).contiguous(), None
+_SHARDED_OUT = ("colwise", "unit_colwise")  # their output is this rank's features only
+_REPLICATED_OUT = tuple(
+    n for n in STYLES if "rowwise" in n or n in ("colwise_gather_output", "colwise_rep", "embedding_colwise")
+)  # whole: gathered or all-reduced
 
 
-def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    if kwargs.get("labels") is not None:
-        # HF shifts labels inside the model, within this rank's chunk of each window: the chunk's last token
-        # would be paired with the first of the next chunk it does not hold (2.2e-3 off one process, silently)
-        raise ParallelError(
-            f"{type(module).__name__} was called with labels= under context parallel, where each rank holds only "
-            "chunks of every window and the model's own shift pairs tokens across chunk borders: shift the labels "
-            "before the token split (a 'target' field, -100 where nothing is scored), call the model without "
-            "labels, and train with loss_weight='labels' on its logits (docs/hf.md)"
-        )
-    if kwargs.get("position_ids") is None:
-        raise ParallelError(
-            f"{type(module).__name__} runs under context parallel: each rank holds only part of every window, so "
-            "call it with its tokens' global positions, model(input_ids=..., position_ids=batch['positions'])"
-        )
+def check_unplanned(model: nn.Module, strings: dict[str, str], named: dict[str, nn.Module]) -> None:
+    """Refuse parameters in no plan entry that meet activations a colwise entry shards, proven on the autograd
+    graph of one forward of 8 fixed tokens in this process (before any sharding; the same on every rank).
 
-
-def hf_context_parallel(model: nn.Module, attn: Any) -> nn.Module:
-    """Route a transformers model's attention through meshwise's context-parallel attention ``attn``.
-
-    Registers :data:`ATTN_IMPLEMENTATION` with transformers' ``AttentionInterface`` (and the sdpa mask for it),
-    points the config at it, and gives each attention module the ``context_attention`` entry point.
-    """
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    from meshwise.parallel.context import ENTRY_POINT
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, _meshwise_cp_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    modules = [
-        m
-        for m in model.modules()
-        if type(m).__module__.startswith("transformers.") and type(m).__name__.endswith("Attention")
+    Under tp such a parameter is whole on every rank but meets only the rank's features (a norm of the local heads,
+    a learned activation between colwise and rowwise, Doge's per-head mask parameters): its gradient is a partial
+    sum nothing adds up, or its shapes follow the config's head count. Skipped on the meta device."""
+    params = list(model.parameters())
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    if not params or any(p.device.type == "meta" for p in params) or vocab < 16:
+        return
+    planned = {n for key in strings for n in _matches(named, key)}
+    covered = lambda n: any(n == p or n.startswith(p + ".") for p in planned)  # noqa: E731
+    loose = {
+        id(p): f"{mn}.{pn}" if mn else pn
+        for mn, m in named.items()
+        if not covered(mn)
+        for pn, p in m.named_parameters(recurse=False)
+    }
+    if not loose:
+        return
+    sharded, whole, hooks = set(), set(), []
+    for key, name in strings.items():
+        for n in _matches(named, key):
+            mark = sharded if name in _SHARDED_OUT else whole if name in _REPLICATED_OUT else None
+            if mark is not None:
+                hooks.append(named[n].register_forward_hook(lambda m, a, out, mark=mark: _mark(out, mark)))
+    inputs: set = set()  # the embeddings' outputs: where activations enter the graph (input ids have none)
+    hooks += [
+        m.register_forward_hook(lambda m, a, out: _mark(out, inputs))
+        for m in named.values()
+        if isinstance(m, nn.Embedding)
     ]
-    if not modules:
-        raise ParallelError(f"{type(model).__name__} has no transformers attention module to route")
-    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
-        compat.set_attn_implementation(config, ATTN_IMPLEMENTATION)
-    for m in modules:
-        setattr(m, ENTRY_POINT, attn)
-    model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
-    return model
+    ids = ((torch.arange(8, device=params[0].device) * 5 + 3) % (vocab - 3) + 3)[None]
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            out = model(input_ids=ids)
+            out = (
+                out
+                if isinstance(out, torch.Tensor)
+                else out.logits
+                if getattr(out, "logits", None) is not None
+                else out[0]
+            )
+            met = _meets_sharded(out.grad_fn, sharded, whole, inputs, loose)
+    except Exception:  # noqa: BLE001 - a model the probe cannot run: its first step shows what it does
+        return
+    finally:
+        for h in hooks:
+            h.remove()
+    if met:
+        names = sorted(loose[i] for i in met)
+        keys = sorted({re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), n.rsplit(".", 1)[0]) for n in names})
+        raise ParallelError(
+            f"{type(model).__name__}'s tp plan leaves {names[:4]}{' ...' if len(names) > 4 else ''} in no plan "
+            "entry, but they meet activations a colwise entry shards (only this rank's heads or features): each "
+            "tp rank would compute a partial gradient that nothing sums, or shapes that follow the config's head "
+            f"count. Give {keys[:4]} a plan entry: 'replicated_with_grad_allreduce' where the parameter acts on "
+            "the sharded features elementwise (a norm of the heads, a learned activation), else train without "
+            "tensor parallel (docs/hf.md, 'Tensor parallel')"
+        )
+
+
+def _mark(out: Any, into: set) -> None:
+    for t in out if isinstance(out, tuple | list) else (out,):
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+            into.add(t.grad_fn)
+
+
+def _meets_sharded(root: Any, sharded: set, whole: set, inputs: set, loose: dict[int, str]) -> set[int]:
+    """The ``loose`` parameters (by id) that an autograd node combines, as parameters (reached without passing an
+    activation: ``inputs``), with a sharded activation."""
+    order: list[Any] = []
+    seen: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)] if root is not None else []
+    while stack:  # post-order over the graph: each node after the nodes it reads
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k, _ in node.next_functions if k is not None and id(k) not in seen)
+    sh: dict[Any, bool] = {}
+    pure: dict[Any, frozenset | None] = {}
+    met: set[int] = set()
+    for node in order:
+        kids = [k for k, _ in node.next_functions if k is not None]
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf parameter
+            sh[node], pure[node] = False, frozenset({id(var)})
+            continue
+        sh[node] = node in sharded or (node not in whole and any(sh.get(k, False) for k in kids))
+        sets = [pure.get(k) for k in kids]
+        pure[node] = None if node in inputs or not sets or any(s is None for s in sets) else frozenset().union(*sets)
+        if any(sh.get(k, False) for k in kids):
+            for k in kids:
+                if not sh.get(k, False) and pure.get(k):
+                    met |= {i for i in pure[k] if i in loose}
+    return met
