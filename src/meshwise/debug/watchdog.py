@@ -461,8 +461,8 @@ class _Watchdog:
         self.stopped = threading.Event()
         # One store connection per thread: a client serves one request at a time, and the answering thread's
         # connection is blocked on its queue for the life of the run. The stall thread's own connection is made
-        # when it first reports: past about two connections per rank, a store's new clients wait 5 s each
-        # (measured: 8 gloo ranks with three connections each joined in 5.2 s, with two in 0.2 s).
+        # when it first reports: each new connection costs the store two reverse DNS lookups, and a resolver
+        # that drops bursts of them makes a connection wait 5 s (docs/dev/test-durations.md).
         self.inbox = default_store().clone()
         self.inbox.set_timeout(datetime.timedelta(days=365))
         self.outbox: dist.Store | None = None
