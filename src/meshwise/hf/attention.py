@@ -6,7 +6,9 @@ checks of a call (global ``position_ids`` given, no ``labels=`` the model would 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -339,6 +341,29 @@ def _logits(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None)
     return out.detach().double()
 
 
+def _attn_implementations(model: nn.Module) -> list[tuple[Any, Any]]:
+    """Each config of ``model`` (sub-models have their own) with its attention implementation."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    return [(c, getattr(c, "_attn_implementation", None)) for c in configs]
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module, own: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Give back what a probe changes: each config's attention implementation, each module's training mode."""
+    modes = {m: m.training for m in model.modules()}
+    try:
+        yield
+    finally:
+        for c, name in own:
+            compat.set_attn_implementation(c, name)
+        for m, training in modes.items():
+            m.train(training)
+
+
+def _rng_devices(device: torch.device) -> list[torch.device]:
+    return [device] if device.type == "cuda" else []
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool((a - b).abs().max() <= 1e-6 * (1.0 + a.abs().max()))
 
@@ -356,8 +381,7 @@ def probe_split(model: nn.Module) -> None:
     if not params or any(p.device.type == "meta" for p in params):
         return
     _register_probe()
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
-    own = [(c, getattr(c, "_attn_implementation", None)) for c in configs]
+    own = _attn_implementations(model)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     if vocab < 16:
         return
@@ -366,11 +390,10 @@ def probe_split(model: nn.Module) -> None:
     other = ids.clone()
     other[0] = 3 if ids[0] != 3 else 4
     pos = torch.arange(8, device=device)[None]
-    modes = {m: m.training for m in model.modules()}
     found: list[str] = []
     draws = _RandomDraws()
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with _restored(model, own), torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
             model.train()
             with draws:
                 _logits(model, ids[None], pos)  # in training mode, as the model will train
@@ -397,11 +420,6 @@ def probe_split(model: nn.Module) -> None:
                 )
     except Exception:  # noqa: BLE001 - a model this probe cannot run is judged by the first forward's proof alone
         found = []
-    finally:
-        for c, name in own:
-            compat.set_attn_implementation(c, name)
-        for m, training in modes.items():
-            m.train(training)
     if draws.seen:
         found.append(_draws_message(draws.seen))
     if found:
@@ -429,8 +447,7 @@ def check_random_draws(model: nn.Module, topology: Any) -> None:
     before any placement. A model routed for a token split was probed by ``context_parallel`` already."""
     if not is_hf_model(model) or topology.size(topology.metric_dims) * topology.size(topology.stage_dims) == 1:
         return
-    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
-    own = [(c, getattr(c, "_attn_implementation", None)) for c in configs]
+    own = _attn_implementations(model)
     if topology.size(topology.split_dims) > 1 and any(name == ATTN_IMPLEMENTATION for _, name in own):
         return
     params = list(model.parameters())
@@ -440,10 +457,9 @@ def check_random_draws(model: nn.Module, topology: Any) -> None:
     _register_probe()
     device = params[0].device
     ids = ((torch.arange(8, device=device) * 5 + 3) % (vocab - 3) + 3)[None]
-    modes = {m: m.training for m in model.modules()}
     draws = _RandomDraws()
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with _restored(model, own), torch.enable_grad(), torch.random.fork_rng(devices=_rng_devices(device)):
             for c, _ in own:
                 compat.set_attn_implementation(c, _PROBE)
             model.train()
@@ -451,11 +467,6 @@ def check_random_draws(model: nn.Module, topology: Any) -> None:
                 _logits(model, ids, torch.arange(8, device=device)[None])
     except Exception:  # noqa: BLE001 - a model this probe cannot run is not judged here
         return
-    finally:
-        for c, name in own:
-            compat.set_attn_implementation(c, name)
-        for m, training in modes.items():
-            m.train(training)
     if draws.seen:
         raise ParallelError(
             f"{type(model).__name__} cannot equal one process on this mesh: {_draws_message(draws.seen)}"

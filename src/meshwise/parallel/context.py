@@ -12,9 +12,7 @@ K/V. ``"auto"`` (the default) takes the ring for windows longer than ``ring_abov
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -32,6 +30,7 @@ from meshwise.parallel.cp_attention import (
     runs_of,
     score_elements,
 )
+from meshwise.parallel.plugins import Registry
 from meshwise.parallel.routing import arm, calls_sdpa
 from meshwise.parallel.sdpa import route_sdpa
 from meshwise.topology import Topology, resolve
@@ -119,20 +118,17 @@ class AttentionRouter(Protocol):
         """Route ``model``'s attention through ``attn`` (its modules get the ``context_attention`` entry point)."""
 
 
-_ROUTERS: list[AttentionRouter] = []
+_ROUTERS: Registry[AttentionRouter] = Registry()
 
 
 def on_attention_router(router: AttentionRouter) -> None:
     """Register an :class:`AttentionRouter` (integrations do, so this layer never imports them)."""
-    if router not in _ROUTERS:
-        _ROUTERS.append(router)
+    _ROUTERS.add(router)
 
 
 def router_of(model: nn.Module) -> AttentionRouter | None:
     """The registered router that claims ``model``, or None (the entry-point road)."""
-    if "transformers" in sys.modules:  # the model may be a transformers model: load the integration's router
-        importlib.import_module("meshwise.hf")
-    return next((r for r in _ROUTERS if r.claims(model)), None)
+    return _ROUTERS.claimant(model)
 
 
 def context_parallel(

@@ -4,8 +4,6 @@ parameter names, place TP and FSDP2 on each, and build torch.distributed.pipelin
 from __future__ import annotations
 
 import copy
-import importlib
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -16,6 +14,7 @@ from meshwise.causal_lm import loss_input
 from meshwise.errors import ParallelError
 from meshwise.parallel.pipeline_probe import agree_input, meta_copy, probe_stages
 from meshwise.parallel.pipeline_shared import SharedParameter, check_shared, find_shared, sum_shared_grads
+from meshwise.parallel.plugins import Registry
 from meshwise.topology import Topology
 
 __all__ = [
@@ -58,20 +57,17 @@ class StageCutter(Protocol):
         """The stage module running the pieces in ``keep``, with the full model's parameter names."""
 
 
-_CUTTERS: list[StageCutter] = []
+_CUTTERS: Registry[StageCutter] = Registry()
 
 
 def on_stage_cutter(cutter: StageCutter) -> None:
     """Register a :class:`StageCutter` (integrations do, so this layer never imports them)."""
-    if cutter not in _CUTTERS:
-        _CUTTERS.append(cutter)
+    _CUTTERS.add(cutter)
 
 
 def cutter_of(model: nn.Module) -> StageCutter | None:
     """The registered cutter that claims ``model``, or None (the generic cut of children and containers)."""
-    if "transformers" in sys.modules:  # the model may be a transformers decoder: load the integration's cutter
-        importlib.import_module("meshwise.hf")
-    return next((c for c in _CUTTERS if c.claims(model)), None)
+    return _CUTTERS.claimant(model)
 
 
 def check_schedule(schedule: str, stages_per_rank: int | None) -> tuple[str, int]:
