@@ -43,7 +43,7 @@ test: lint
 # equivalence files; docs/dev/test-durations.md lists what each file costs. `make test` stays the gate.
 FAST_TESTS := compat data_sampler data_parts data_edges checkpoint_format checkpoint_security trainer_habits \
 	hf_export hf_loss engine ignite_metrics context_routing hf_pipeline checkpoint_engine physicsnemo_ops \
-	evaluation data_dist ignite_checkpoint hf_finetune
+	evaluation data_dist ignite_checkpoint hf_finetune slurm_env
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -x --timeout=300 -m "not slow" $(FAST_TESTS:%=tests/test_%.py)
 
