@@ -119,7 +119,7 @@ test-ignite-metrics: $(STAMP)
 # The conformance sweep (issue 34, tests/sweep/): every causal-LM family of the installed transformers (its auto
 # mapping), built tiny in float64 and trained through meshwise's public road at tp=2, dp=2 x tp=2, cp=2 and pp=2
 # against one process: equal, or refused with a MeshwiseError, or the target fails. A few gloo launches; the
-# results go to SWEEP_RESULTS, and `make sweep-table` writes them into docs/hf.md's table (which
+# results go to SWEEP_RESULTS, and `make sweep-table` writes them into docs/hf-sweep.md's table (which
 # tests/test_sweep_table.py, in `make test`, checks against the installed families).
 .PHONY: test-sweep sweep-table
 SWEEP_RESULTS ?= runs/sweep/results.json

@@ -1,4 +1,4 @@
-"""docs/hf.md's conformance-sweep table lists exactly the causal-LM families of the installed transformers (its auto
+"""docs/hf-sweep.md's table lists exactly the causal-LM families of the installed transformers (its auto
 mapping), each with a verdict per mode, so a family transformers adds fails here until `make test-sweep` is re-run
 and the table regenerated (tests/sweep/table.py). One process, no launch."""
 

@@ -4,7 +4,7 @@ that failure is one of the open ones listed in known.py (and fails when a listed
 
     .venv/bin/python tests/sweep/run.py [--out runs/sweep/results.json] [--families llama,qwen3] [--modes tp,cp]
 
-``MESHWISE_SWEEP_RESULTS`` names the output when ``--out`` is not given. The table in docs/hf.md is made from the
+``MESHWISE_SWEEP_RESULTS`` names the output when ``--out`` is not given. The table in docs/hf-sweep.md is made from the
 results by ``tests/sweep/table.py``."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FIXED {family} {mode}: {ran[family, mode]}; remove it from tests/sweep/known.py")
     stale = table.stale(results)
     if stale:
-        print("docs/hf.md's sweep table differs from these results (regenerate: tests/sweep/table.py):", *stale[:20])
+        print("docs/hf-sweep.md's table differs from these results (regenerate: tests/sweep/table.py):", *stale[:20])
     print(
         f"sweep: {len(failed)} failure(s), {len(unexpected)} not in tests/sweep/known.py, {len(fixed)} listed there "
         f"that passed; results in {args.out}, {time.monotonic() - t0:.0f} s"

@@ -1,8 +1,8 @@
-"""The sweep's table in docs/hf.md, made from its results (``make test-sweep`` writes them): family x (tp, dp x tp,
-cp, pp) -> equal / refused and why / n/a / not built, between the ``sweep:begin`` and ``sweep:end`` markers; and the
-reading of that table back (the families it lists, each cell's verdict).
+"""The sweep's table in docs/hf-sweep.md, made from its results (``make test-sweep`` writes them): family x (tp,
+dp x tp, cp, pp) -> equal / refused and why / n/a / not built, between the ``sweep:begin`` and ``sweep:end``
+markers; and the reading of that table back (the families it lists, each cell's verdict).
 
-    .venv/bin/python tests/sweep/table.py [runs/sweep/results.json]   # rewrites docs/hf.md's table
+    .venv/bin/python tests/sweep/table.py [runs/sweep/results.json]   # rewrites docs/hf-sweep.md's table
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "hf-sweep.md"
 BEGIN, END = "<!-- sweep:begin -->", "<!-- sweep:end -->"
 COLUMNS = {"tp": "tp=2", "dp_tp": "dp=2 x tp=2", "cp": "cp=2", "pp": "pp=2"}
 VERDICTS = ("equal", "float32", "refused", "n/a", "not built", "FAIL", "not run")
