@@ -69,8 +69,12 @@ def test_a_cell_above_the_bound_passes_only_in_float64_or_against_a_rounding_bas
     assert failed["verdict"] == "FAIL" and "7.20e-12" in failed["error"] and "3.50e-05" in failed["error"], failed
     passed = conformance.verdict(ran, ref, {"verdict": "ran", "diff": 1.1e-11}, as_is=3.5e-5)
     assert passed["verdict"] == "float32" and passed["baseline"] == 1.1e-11, passed
-    far = conformance.verdict({**ran, "diff": 2e-10}, ref, {"verdict": "ran", "diff": 1.1e-11})
+    cpu = conformance.verdict({**ran, "diff": 4e-11}, ref, {"verdict": "ran", "diff": 1.67e-12})  # another CPU
+    assert cpu["verdict"] == "float32" and cpu["baseline"] == 1.67e-12, cpu
+    far = conformance.verdict({**ran, "diff": 2e-8}, ref, {"verdict": "ran", "diff": 1.1e-11})  # a float32 part
     assert far["verdict"] == "FAIL" and "1.10e-11" in far["error"], far
+    alone = conformance.verdict({**ran, "diff": 4e-11}, ref)  # no baseline: the bound stays EQUAL
+    assert alone["verdict"] == "FAIL", alone
     wrong = conformance.verdict({**ran, "diff": 5e-2}, ref, {"verdict": "ran", "diff": 5e-2})
     assert wrong["verdict"] == "FAIL", wrong  # a baseline as wrong as the cell vouches for nothing
     left = conformance.verdict({**ran, "diff": 0.0}, {"float32": ["float32"]})
