@@ -99,6 +99,10 @@ def _ranks_body(topo, run_dir: str) -> dict:
         )
         trainer.run(loader, max_epochs=2)
         tb.close()
+        torch.distributed.barrier()  # every rank's epoch-end record was posted and read
+        store = compat.default_store()
+        keys = [f"meshwise/observe/{s}/{r}" for s in range(1, trainer.state.iteration + 1) for r in range(4)]
+        out["records_left"] = [k for k in keys if store.check([k])]
         out["ignite_handlers"] = sum(
             type(h).__name__ == "_OutputHandler" for _, h, _, _ in compat.event_handlers(trainer)
         )
@@ -145,6 +149,7 @@ def test_bar_and_log_carry_rate_lr_memory_and_mfu(run):
     for r in train[1:]:  # the first step ran under the FLOP counter: no rate from it
         assert r["samples_per_s"] == pytest.approx(GLOBAL_BATCH / r["step_time_s"], rel=1e-9)
         assert r["mfu"] == pytest.approx(r["flops_per_step"] / r["step_time_s"] / (4 * PEAK), rel=1e-9)
+    assert all(r["records_left"] == [] for r in ranks)  # read once, not kept in the store for every epoch
     per_rank = {r["tag"]: r for r in records if r["tag"].startswith("rank")}
     assert sorted(per_rank) == ["rank0", "rank1", "rank2", "rank3"]
     for r in per_rank.values():

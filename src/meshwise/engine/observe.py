@@ -279,9 +279,15 @@ def rank_stats(observer: Observer, step: int = 0, wait_s: float = _RANKS_WAIT_S)
         if topo.rank != 0:
             return []
         keys = [key.format(r) for r in range(topo.world_size)]
-        with contextlib.suppress(RuntimeError, dist.DistError):
+        try:  # every rank posted: one round trip for all
             store.wait(keys, datetime.timedelta(seconds=wait_s))
-        rows = [json.loads(store.get(k)) if store.check([k]) else [math.nan, math.nan] for k in keys]
+            values: list[bytes | None] = list(store.multi_get(keys))
+        except (RuntimeError, dist.DistError):  # some did not in time: left out
+            values = [store.get(k) if store.check([k]) else None for k in keys]
+        rows = [json.loads(v) if v is not None else [math.nan, math.nan] for v in values]
+        with contextlib.suppress(RuntimeError, dist.DistError):  # read once: the store does not keep every epoch's
+            for k in keys:
+                store.delete_key(k)
     out = []
     for mem, read in rows:
         entry = {"peak_mem_mb": mem}
