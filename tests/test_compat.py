@@ -80,6 +80,15 @@ def test_fake_store_and_the_fake_backend() -> None:
     _check("the 'fake' backend (registered by fake_pg)", "torch", lambda: "fake" in dist.Backend.backend_list)
 
 
+def test_stop_loader_workers() -> None:
+    iterator = iter(torch.utils.data.DataLoader(list(range(8)), num_workers=1, multiprocessing_context="fork"))
+    next(iterator)
+    workers = list(iterator._workers)
+    _check("_MultiProcessingDataLoaderIter._shutdown_workers", "torch", lambda: compat.stop_loader_workers(iterator))
+    _check("_shutdown_workers() stops the workers", "torch", lambda: not any(w.is_alive() for w in workers))
+    compat.stop_loader_workers(iter([1]))  # no workers: nothing to stop
+
+
 def test_device_mesh_flatten() -> None:
     from torch.distributed.device_mesh import DeviceMesh
 

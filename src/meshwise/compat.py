@@ -64,6 +64,7 @@ __all__ = [
     "set_options_timeout",
     "shard_function_registry",
     "shard_spec",
+    "stop_loader_workers",
     "stored_sharding_shapes",
 ]
 
@@ -189,6 +190,17 @@ def flatten_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 
 #: ``OptimizedModule._orig_mod``: the module a ``torch.compile`` wrapper runs. No public accessor in torch 2.13.
 COMPILED_INNER = "_orig_mod"
+
+
+def stop_loader_workers(iterator: Any) -> None:
+    """``_MultiProcessingDataLoaderIter._shutdown_workers()`` (torchdata's StatefulDataLoader iterator has the same):
+    stop a DataLoader iterator's worker processes now, which is what its ``__del__`` does. No public API: torch
+    stops them only when the iterator is freed, and an iterator freed by the cycle collector, after its worker
+    queues were closed, waits 5 s per worker for workers that never got the stop message. A no-op for an
+    iterator without workers."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
 
 
 # =========================================================================== pytorch-ignite

@@ -38,7 +38,9 @@ resumes by reading and dropping the samples it had consumed (the cost of a resum
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -57,6 +59,16 @@ from meshwise.topology import Topology, resolve
 __all__ = ["MeshStreamLoader", "is_streaming"]
 
 MODES = ("train", "eval")
+
+# The open stream of each loader (the iterator, and the StatefulDataLoader of a HF share read in workers), held
+# here rather than on the loader, and its workers stopped when it is dropped. A loader in a reference cycle (an
+# ignite engine holds it; a traceback holds the frame that read it) is freed by the cycle collector, which runs
+# the weakref callbacks of everything it frees before any `__del__`: torch's worker queues would close first, and
+# the DataLoader iterator's `__del__` would then wait 5 s per worker for workers that never got the stop message.
+# Held here, the stream is outside the loader's garbage; the loader's finalizer (and `_close`) stops its workers
+# while their queues still work.
+_OPEN: dict[int, tuple[Iterator[Any], Any]] = {}
+_KEYS = itertools.count()
 
 
 def is_streaming(dataset: Any) -> bool:
@@ -117,6 +129,12 @@ def _fingerprint(dataset: Any, hf: bool, seed: int) -> str:
         if files:  # the same count of other files must not resume into the wrong ones
             parts.append("files=" + "|".join(map(str, files)))
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _drop(key: int) -> None:
+    """Forget a loader's open stream and stop its worker processes (see ``_OPEN``)."""
+    live, _ = _OPEN.pop(key, (None, None))
+    compat.stop_loader_workers(live)
 
 
 class MeshStreamLoader:
@@ -183,14 +201,14 @@ class MeshStreamLoader:
         self.options = options
         self.num_workers, self.prefetch_factor = options.num_workers, options.prefetch_factor
         self.multiprocessing_context = options.worker_context()  # as for arrays: fork starts a worker in ms
-        self._workers: Any = None  # the StatefulDataLoader reading a HF share in workers, this epoch
         self.fingerprint = _fingerprint(dataset, self.hf, seed)
         self.epoch = 0
         self._consumed = 0  # samples of this rank's share handed out this epoch
         self._hf_state: dict[str, Any] | None = None  # the HF stream's own state at the last batch handed out
-        # The open stream of this pass, which sits exactly at the position (None: the next __iter__ opens one
-        # there); the newest iterator owns it; the filler pads a batch whose rows ran out (eval).
-        self._live: Iterator[Any] | None = None
+        # The open stream of this pass is in _OPEN (see `_live`); the newest iterator owns it; the filler pads a
+        # batch whose rows ran out (eval).
+        self._key = next(_KEYS)
+        weakref.finalize(self, _drop, self._key)
         self._owner: object = None
         self._filler: Any = None
         self._ds = self._split()
@@ -212,7 +230,18 @@ class MeshStreamLoader:
 
     def _close(self) -> None:
         """Drop the open stream (its workers stop); an iterator still holding it ends, the next opens anew."""
-        self._live, self._workers, self._filler = None, None, None
+        _drop(self._key)
+        self._filler = None
+
+    @property
+    def _live(self) -> Iterator[Any] | None:
+        """The open stream of this pass, which sits exactly at the position (None: the next iterator opens one)."""
+        return _OPEN.get(self._key, (None, None))[0]
+
+    @property
+    def _workers(self) -> Any:
+        """The StatefulDataLoader reading a HF share in workers, this pass (None otherwise)."""
+        return _OPEN.get(self._key, (None, None))[1]
 
     # ------------------------------------------------------------------ state
 
@@ -270,11 +299,12 @@ class MeshStreamLoader:
 
     # ------------------------------------------------------------------ reading
 
-    def _open(self) -> Iterator[Any]:
+    def _open(self) -> tuple[Iterator[Any], Any]:
         """This rank's share of the stream from the position: the pass's start, or just after the last batch.
 
-        The iterator holds no reference to the loader, so a loader dropped mid-pass is freed at once, its
-        workers with it (in a cycle, the collector could free it inside a later loader's forked worker).
+        Returns the iterator and the StatefulDataLoader of a HF share read in workers (else None), which
+        ``_OPEN`` holds. The iterator holds no reference to the loader, so a loader dropped mid-pass is freed at
+        once, its workers with it (in a cycle, the collector could free it inside a later loader's forked worker).
         """
         if self.hf:
             source = self._ds if self.num_workers == 0 else self._worker_loader(self._ds)
@@ -286,12 +316,11 @@ class MeshStreamLoader:
                         f"the saved stream position does not fit this source ({type(exc).__name__}: {exc}): resume "
                         "with the same files that saved it, or start over with set_epoch()"
                     ) from exc
-            self._workers = source if self.num_workers else None
-            return iter(source)
+            return iter(source), (source if self.num_workers else None)
         # Every rank reads the whole stream and keeps every size-th sample from its data rank; a position inside
         # the pass replays (reads and drops) the samples consumed before it.
         share = _TorchShare(self._ds, self.topology.data_rank, self.topology.data_size, self._consumed)
-        return iter(self._worker_loader(share) if self.num_workers else share)
+        return iter(self._worker_loader(share) if self.num_workers else share), None
 
     def _worker_loader(self, share: Any) -> Any:
         """The share read in ``num_workers`` processes, one sample an item (a StatefulDataLoader for a HF share)."""
@@ -331,7 +360,7 @@ class MeshStreamLoader:
 
     def _batches(self, token: object) -> Iterator[dict[str, Any]]:
         if self._live is None:
-            self._live = self._open()
+            _OPEN[self._key] = self._open()
         live = self._live
         while True:
             if self._owner is not token:
