@@ -1,11 +1,14 @@
-"""Topology-aware data: a global-cursor sampler, per-rank sample parts, replica reads, map-style and stream sources."""
+"""Topology-aware data: a global-cursor sampler, per-rank sample parts, replica reads, map-style and stream sources,
+and weighted mixtures of sources."""
 
 from __future__ import annotations
 
 from meshwise.data.array_loader import MeshDataLoader
+from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
 from meshwise.data.mapped import MeshSampleLoader
+from meshwise.data.mixture import mix
 from meshwise.data.packing import pack
 from meshwise.data.parts import Replicate, Shard, chunk_bounds, from_placements, parts_of
 from meshwise.data.sampler import MeshSampler
@@ -19,12 +22,14 @@ __all__ = [
     "MeshSampleLoader",
     "MeshSampler",
     "MeshStreamLoader",
+    "Schedule",
     "Replicate",
     "Shard",
     "Source",
     "chunk_bounds",
     "from_placements",
     "mesh_dataloader",
+    "mix",
     "pack",
     "pad_collate",
     "parts_of",

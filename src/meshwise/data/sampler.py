@@ -217,14 +217,23 @@ class CursorLoader:
         options.check_workers()
         topology = resolve(topology)
         self.topology, self.options = topology, options
-        self.sampler = MeshSampler.from_topology(
-            topology,
-            dataset_length,
-            options.global_batch_size,
-            mode=options.mode,
-            seed=options.seed,
-            drop_last=options.drop_last,
-        )
+        mixture = getattr(getattr(self, "dataset", None), "train_sampler", None)  # meshwise.data.mix()
+        if mixture is not None and options.mode == "train":
+            if options.seed not in (0, self.dataset.blend.seed):
+                raise DataError(
+                    f"seed={options.seed} was given to the loader and seed={self.dataset.blend.seed} to mix(): a "
+                    "mixture's order is seeded by mix(seed=); drop the loader's seed="
+                )
+            self.sampler = mixture(options.global_batch_size, topology.data_rank, topology.data_size)
+        else:
+            self.sampler = MeshSampler.from_topology(
+                topology,
+                dataset_length,
+                options.global_batch_size,
+                mode=options.mode,
+                seed=options.seed,
+                drop_last=options.drop_last,
+            )
         replica = topology.replica_dims
         self.replica_size = topology.size(replica) if replica else 1
         self.replica_rank = topology.coordinate(replica) if replica else 0

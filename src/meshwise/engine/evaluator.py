@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ class EvalMetrics:
         *,
         split_inputs: str = "parts",
         replica_check: bool | None = None,
+        sources: Sequence[str] | Any = None,
     ) -> None:
         topo = resolve(topology)
         metrics = {} if metrics is None else metrics
@@ -61,6 +62,10 @@ class EvalMetrics:
                 f"metrics must be a dict name -> torchmetrics Metric/MetricCollection/MeshMetric or ignite Metric, "
                 f"got {type(metrics)}"
             )
+        self.sources = _source_names(sources)
+        self.by_source: dict[str, int] = {}  # per-source metric name -> the source's index (the batch's "source")
+        if self.sources:
+            metrics = {**metrics, **_per_source(metrics, self.sources, self.by_source)}
         self.metrics: dict[str, MeshMetric] = {}
         self.ignite: dict[str, IgniteMetric] = {}
         for name, metric in metrics.items():
@@ -98,11 +103,21 @@ class EvalMetrics:
     def update(self, output: Any, batch: Batch, select: Select) -> None:
         """Update every metric with its ``select(output, batch)`` (a MeshMetric's own ``select`` wins)."""
         valid = batch.get("valid")
-        for m in self.metrics.values():
+        source = batch.get("source") if self.by_source else None
+        if self.by_source and not isinstance(source, torch.Tensor):
+            raise MetricError(
+                f"the evaluator reports metrics per source {self.sources}, but the batch has no 'source' field: "
+                "evaluate a loader of the mixture (mesh_dataloader(mix(...), mode='eval')), or drop sources="
+            )
+        for name, m in self.metrics.items():
             args = (m.select or select)(output, batch)
             if not isinstance(args, tuple):
                 args = (args,)
-            m.update(*args, valid=valid)
+            rows = valid
+            if name in self.by_source:
+                mine = source.to(args[0].device if isinstance(args[0], torch.Tensor) else "cpu") == self.by_source[name]
+                rows = mine if valid is None else valid.to(mine.device) & mine
+            m.update(*args, valid=rows)
 
     def compute(self) -> dict[str, Any]:
         """Every metric's value by name (one fused sync per group of dims); collection keys are merged in."""
@@ -119,6 +134,35 @@ class EvalMetrics:
                         )
                     out[key] = _plain(v)
         return out
+
+
+def _source_names(sources: Sequence[str] | Any) -> list[str]:
+    """The source names of ``sources=``: a mixture (``meshwise.data.mix``) or its names."""
+    if sources is None:
+        return []
+    blend = getattr(sources, "blend", None)
+    names = list(blend.names) if blend is not None else list(sources) if not isinstance(sources, str) else None
+    if not names or not all(isinstance(n, str) for n in names):
+        raise MetricError(f"sources= takes a mixture made by meshwise.data.mix() or its source names, got {sources!r}")
+    return names
+
+
+def _per_source(metrics: Mapping[str, Any], sources: list[str], index: dict[str, int]) -> dict[str, Any]:
+    """A copy of every torchmetrics metric for each source, named ``"{name}/{source}"`` (collections: keys too)."""
+    out = {}
+    for name, metric in metrics.items():
+        if not isinstance(metric, (Metric, MetricCollection)):
+            raise MetricError(
+                f"metric {name!r} is a {type(metric).__name__}: per-source metrics (sources=) are copies of plain "
+                "torchmetrics Metric/MetricCollection objects; pass the torchmetrics object itself"
+            )
+        for i, source in enumerate(sources):
+            key = f"{name}/{source}"
+            if key in metrics:
+                raise MetricError(f"metric name {key!r} is also a per-source name: rename the metric")
+            copy = metric.clone(postfix=f"/{source}") if isinstance(metric, MetricCollection) else metric.clone()
+            out[key], index[key] = copy, i
+    return out
 
 
 def check_eval_loader(data: Any) -> None:
@@ -176,6 +220,7 @@ def create_evaluator(
     target_key: str = "target",
     replica_check: bool | None = None,
     split_inputs: str | None = None,
+    sources: Sequence[str] | Any = None,
 ) -> Engine:
     """An ignite ``Engine`` that evaluates ``model`` on this rank's batches and fills ``engine.state.metrics``.
 
@@ -196,6 +241,11 @@ def create_evaluator(
     left out, reductions over the batch + split dims only, fused). ``split_inputs`` defaults to ``"parts"`` for
     torchmetrics and to ``"whole"`` for ignite metrics, which count samples (rows); give it to choose for both.
 
+    ``sources`` (a mixture made by :func:`meshwise.data.mix`, or its source names) adds a copy of every
+    torchmetrics metric per source, named ``"{name}/{source}"`` (a ``MetricCollection``'s keys get the
+    ``/{source}`` postfix), updated with the rows whose ``source`` field is that source: each source's metrics
+    are exact on any mesh, as the overall ones.
+
     At ``STARTED`` a loader made with ``mesh_dataloader(..., mode="train")`` is refused with
     :class:`MetricError` (it shuffles and drops the last partial batch). When the run completes, FSDP2
     modules are resharded (a forward without backward leaves them gathered) and the model's training mode
@@ -204,7 +254,9 @@ def create_evaluator(
     topo = resolve(topology)
     if not callable(model):
         raise MetricError(f"create_evaluator() needs a model (nn.Module or callable), got {type(model).__name__}")
-    handler = EvalMetrics(metrics, topo, split_inputs=split_inputs or "parts", replica_check=replica_check)
+    handler = EvalMetrics(
+        metrics, topo, split_inputs=split_inputs or "parts", replica_check=replica_check, sources=sources
+    )
     step = _EvalStep(
         model,
         topo,
