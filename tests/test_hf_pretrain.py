@@ -13,7 +13,7 @@ import pytest
 from meshwise.testing import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_pretrain" / "train.py"
-MESHES = {"packed": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}  # the stream's data-rank split needs only dp
+MESHES = {"packed": ("4", "dp=2,tp=2"), "mixture": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}  # the stream's data-rank split needs only dp
 STEPS, STOP = 6, 3
 
 
@@ -26,20 +26,24 @@ def _losses(run_dir: Path, source: str, *extra: str, one_process: bool = False) 
     args = [*args, "--mesh", "dp=1"] if one_process else args
     out = run_script(SCRIPT, int(nproc), args, mesh=mesh, timeout=240, env={"HF_DATASETS_OFFLINE": "1"})[0]
     losses = {int(w[1]): float(w[3]) for w in (x.split() for x in out.splitlines()) if w[:1] == ["step"]}
-    return losses, [x for x in out.splitlines() if x.startswith("done ")][-1]
+    tail = [x for x in out.splitlines() if x.startswith(("done ", "mixture "))]
+    return losses, " / ".join(tail[-2:] if "--mix" in extra else tail[-1:])
 
 
-@pytest.mark.parametrize("source", ["packed", pytest.param("streaming", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("source", ["packed", "mixture", pytest.param("streaming", marks=pytest.mark.slow)])
 def test_stopped_and_resumed_run_matches_an_unbroken_one(tmp_path, source):
-    extra = ["--streaming"] if source == "streaming" else []
-    # packed rows: the unbroken reference is one process (an exact resume and a mesh equal to one process, both);
-    # a stream is divided by data rank (its shard files), so one process reads other global batches: same mesh
-    unbroken, last = _losses(tmp_path / "unbroken", source, *extra, one_process=source == "packed")
-    assert sorted(unbroken) == list(range(1, STEPS + 1)) and last.startswith(f"done steps 0-{STEPS} "), last
+    extra = {"streaming": ["--streaming"], "mixture": ["--mix"]}.get(source, [])
+    # packed rows (one source, or a mixture of two with scheduled weights): the unbroken reference is one process
+    # (an exact resume and a mesh equal to one process, both); a stream is divided by data rank (its shard files),
+    # so one process reads other global batches: same mesh
+    unbroken, whole = _losses(tmp_path / "unbroken", source, *extra, one_process=source != "streaming")
+    assert sorted(unbroken) == list(range(1, STEPS + 1)) and f"done steps 0-{STEPS} " in whole, whole
     first, last = _losses(tmp_path / "resumed", source, "--stop-at", str(STOP), *extra)
-    assert sorted(first) == list(range(1, STOP + 1)) and last.startswith(f"done steps 0-{STOP} "), last
+    assert sorted(first) == list(range(1, STOP + 1)) and f"done steps 0-{STOP} " in last, last
     resumed, last = _losses(tmp_path / "resumed", source, *extra)  # same folder: continues from the step-3 checkpoint
-    assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)) and last.startswith(f"done steps {STOP}-{STEPS} ")
+    assert sorted(resumed) == list(range(STOP + 1, STEPS + 1)) and f"done steps {STOP}-{STEPS} " in last
+    if source == "mixture":  # each source gave as many rows as in the unbroken run
+        assert last.split(" / ")[0] == whole.split(" / ")[0] and "json=" in last, (last, whole)
     worst = 0.0
     for step in range(1, STEPS + 1):
         got = first[step] if step <= STOP else resumed[step]

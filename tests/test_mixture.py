@@ -173,7 +173,7 @@ def test_schedules_constant_in_steps_and_linear():
     target = np.cumsum(w, axis=0)
     counts = np.cumsum(np.eye(3)[got], axis=0)
     assert np.abs(counts[1:] - target[np.arange(1, 96)]).max() <= 1.0 + 1e-9 and got.count(1) == 0
-    with pytest.raises(DataError, match="Schedule ends at sample 96"):
+    with pytest.raises(DataError, match="Schedule ends at sample 96, and this step would reach sample 104"):
         epochs(loader, 1)  # the next epoch runs past the schedule's last point
 
 
@@ -292,7 +292,8 @@ def _train(topo, steps: int, state=None, weights=None):
         loader.load_state_dict(state["loader"])
     trainer.run(loader, max_iters=steps)
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()}
-    return {"model": full, "loader": json.loads(json.dumps(loader.state_dict()))}, model
+    mix_share = {k: v for k, v in trainer.state.observed.items() if k.startswith("mix/")}  # what the run logs
+    return {"model": full, "loader": json.loads(json.dumps(loader.state_dict())), "mix": mix_share}, model
 
 
 def _per_source_eval(topo, model) -> dict:
@@ -330,6 +331,7 @@ def test_a_mixture_trains_like_one_process_at_dp2_tp2_and_resumes_at_dp4_and_one
         got = r["dp2tp2"]
         assert max(float((got["model"][k] - params[k]).abs().max()) for k in params) <= 1e-12
         assert got["loader"] == cursor
+        assert got["mix"] == {f"mix/{n}": c / (STEPS * G) for n, c in cursor["counts"].items()}
     # stopped at dp=2 x tp=2, resumed at dp=4, then at one process: the unbroken run's parameters
     rest, end = _one_process(RESUME_AT, STEPS, state=res[0]["dp4"])
     assert max(float((rest[k] - params[k]).abs().max()) for k in params) <= 1e-12 and end == cursor
@@ -353,3 +355,12 @@ def test_a_mixture_trains_like_one_process_at_dp2_tp2_and_resumes_at_dp4_and_one
     for r in res:
         assert set(r["eval"]) == set(expect)
         assert all(abs(r["eval"][k] - v) <= 1e-12 for k, v in expect.items()), (r["eval"], expect)
+
+
+def test_a_dry_run_describes_the_mixture():
+    from meshwise import dryrun
+
+    loader = mesh_dataloader(mixture(), layout_topology({"dp": 2}, 0), global_batch_size=8)
+    facts = dryrun._loader_facts(loader)["mixture"]
+    assert facts["sources"] == LENGTHS and facts["exhausted"] == "repeat"
+    assert facts["weights"] == WEIGHTS and facts["per_rank_step"] == {n: w * 4 for n, w in WEIGHTS.items()}

@@ -12,6 +12,8 @@ with the model, so a run stopped mid-epoch resumes with exactly the next batch.
     # simulate a kill after 8 steps, then resume to 20 in the same run folder:
     meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 examples/hf_pretrain/train.py --steps 20 --stop-at 8
     meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 examples/hf_pretrain/train.py --steps 20
+    # a mixture of two sources whose weights change from 80/20 to 50/50 over the run (meshwise.data.mix):
+    meshwise run --nproc-per-node 4 --mesh dp=2,tp=2 examples/hf_pretrain/train.py --steps 20 --mix
 
 One process works too: ``python examples/hf_pretrain/train.py --mesh dp=1``. Rank 0 prints one line per
 step, ``step <i> loss <float repr>``, and a last line ``done steps <a>-<b> loss <float repr>``.
@@ -33,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpt"))  # the exam
 from model import GPT, Block, GPTConfig, check_tp_degree, token_loss, tp_plan  # noqa: E402
 
 import meshwise  # noqa: E402
-from meshwise.data import mesh_dataloader, pack  # noqa: E402
+from meshwise.data import Schedule, mesh_dataloader, mix, pack  # noqa: E402
 
 SHARDS = 4  # shard files: a multiple of the data size lets a streaming reader give each rank whole files
 
@@ -57,15 +59,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="stream the shards (load_dataset(streaming=True)): one padded document a row, no packing",
     )
+    p.add_argument(
+        "--mix",
+        action="store_true",
+        help="train on a mixture of two sources (stdlib json and email), weights scheduled from 80/20 to 50/50",
+    )
     return p.parse_args(argv)
 
 
 # --------------------------------------------------------------------------- the corpus, as a HF dataset
 
 
-def write_corpus(data_dir: Path) -> list[str]:
-    """Paragraphs of the stdlib ``json`` package as JSON lines, dealt round-robin into SHARDS files."""
-    files = sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py"))
+def write_corpus(data_dir: Path, package: str = "json") -> list[str]:
+    """Paragraphs of a stdlib package (``json``) as JSON lines, dealt round-robin into SHARDS files."""
+    files = sorted((Path(sysconfig.get_paths()["stdlib"]) / package).glob("*.py"))
     paragraphs = [p for f in files for p in f.read_text().split("\n\n") if p.strip()]
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = [data_dir / f"part-{i}.jsonl" for i in range(SHARDS)]
@@ -79,19 +86,20 @@ def to_bytes(batch: dict) -> dict:
     return {"input_ids": [list(t.encode()) for t in batch["text"]]}
 
 
-def load_corpus(run_dir: Path, topo: meshwise.Topology, streaming: bool = False):
+def load_corpus(run_dir: Path, topo: meshwise.Topology, streaming: bool = False, package: str = "json"):
     """The tokenised ``datasets.Dataset`` (or ``IterableDataset`` when streaming). Rank 0 writes the shards and
     fills the HF cache first, so the other ranks only read the cache instead of racing to write it."""
     import datasets
 
     datasets.disable_progress_bars()  # per-rank bars would drown the step lines
 
-    paths = [str(run_dir / "data" / f"part-{i}.jsonl") for i in range(SHARDS)]
+    data = run_dir / ("data" if package == "json" else f"data-{package}")
+    paths = [str(data / f"part-{i}.jsonl") for i in range(SHARDS)]
     ds = None
     for turn in (True, False):  # the leader's turn, then everyone else's
         if topo.is_leader() == turn:
             if turn:
-                write_corpus(run_dir / "data")
+                write_corpus(data, package)
             cache = str(run_dir / "hf_cache")
             ds = datasets.load_dataset("json", data_files=paths, split="train", cache_dir=cache, streaming=streaming)
             ds = ds.map(to_bytes, batched=True, remove_columns=["text"])
@@ -141,6 +149,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         rows = docs.map(to_shifted, fn_kwargs={"block_size": args.block_size}, remove_columns=["input_ids"])
     else:
         rows = pack(docs, seq_len=args.block_size + 1)
+    if args.mix:  # two sources, from 80/20 at step 0 to 50/50 at the last step
+        email = pack(load_corpus(run_dir, topo, package="email"), seq_len=args.block_size + 1)
+        weights = Schedule(
+            [(0, {"json": 0.8, "email": 0.2}), (args.steps, {"json": 0.5, "email": 0.5})],
+            unit="steps",
+            interpolate="linear",
+        )
+        rows = mix({"json": rows, "email": email}, weights, seed=args.seed)
     loader = mesh_dataloader(rows, topo, global_batch_size=args.batch_size, mode="train", seed=args.seed)
 
     # ---- model: the example GPT, sharded by its TP plan over tp and FSDP2 over dp
@@ -190,6 +206,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         checkpointer.save(trainer.state.iteration, **state)
     checkpointer.close()  # every rank: the checkpoint is committed and "latest" points at it
     if topo.is_leader():
+        if args.mix:  # what the run drew of each source so far (also in the trainer's observed values, mix/<name>)
+            print("mixture", " ".join(f"{k}={v}" for k, v in loader.sampler.realised().items()))
         print(f"done steps {start}-{trainer.state.iteration} loss {losses[-1] if losses else float('nan')!r}")
     meshwise.shutdown()
     return losses

@@ -381,6 +381,15 @@ def _loader_facts(loader: Any) -> dict[str, Any]:
     }
     if kind == "map-style":
         facts |= _dataset_facts(loader.dataset)
+    blend = getattr(loader.dataset, "blend", None)
+    if blend is not None:  # a mixture (meshwise.data.mix): its sources, the weights in force, samples a step
+        weights = sampler.weights().at_sample(sampler.total) if hasattr(sampler, "weights") else None
+        facts["mixture"] = {
+            "sources": dict(zip(blend.names, blend.lengths)),
+            "weights": weights,
+            "exhausted": blend.exhausted,
+            "per_rank_step": None if weights is None else {n: w * sampler.local_batch_size for n, w in weights.items()},
+        }
     return facts
 
 
@@ -459,6 +468,13 @@ def render(facts: dict[str, Any]) -> str:
             f"local batch {loader['local_batch_size']} (data rank {loader['data_rank']} of {loader['data_size']}), "
             f"{steps}, read {loader['read']}{read}"
         )
+        mixture = loader.get("mixture")
+        if mixture is not None:
+            weights = mixture["weights"] or "read every sample of every source once (eval)"
+            lines.append(
+                f"  mixture of {mixture['sources']} (samples), exhausted={mixture['exhausted']!r}; weights now "
+                f"{weights}; samples of each source a rank reads a step, on average: {mixture['per_rank_step']}"
+            )
         for name, part in loader["parts"].items():
             regions = " + ".join("[" + ", ".join(f"{a}:{b}" for a, b in r) + "]" for r in part["regions"])
             lines.append(f"  field {name}: sample {part['sample_shape']} -> part {regions}, shape {part['shape']}")

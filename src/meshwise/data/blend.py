@@ -39,7 +39,7 @@ class Schedule:
     ``unit``: ``"samples"`` (consumed samples of the whole run) or ``"steps"`` (global steps, each
     ``global_batch_size`` samples). ``interpolate``: ``"constant"`` holds each point's weights until the next
     (the last holds to the end of the run); ``"linear"`` goes linearly from each point to the next and ends at the
-    last point: a run that reaches past it is refused (add a point at or after the run's end). Each point's
+    last point: a step that reaches past it is refused (add a point at or after the run's end). Each point's
     weights are normalised to sum 1; a source missing from a point has weight 0 there.
     """
 
@@ -171,11 +171,6 @@ def blend(
     """
     if n <= 0:
         return np.zeros(0, dtype=np.int64)
-    if weights.end is not None and start + n > weights.end:
-        raise DataError(
-            f"the mixture's linear Schedule ends at sample {weights.end}, and the run reaches sample {start + n}: "
-            "add a point at or after the run's end (or use interpolate='constant', whose last weights hold)"
-        )
     base = weights.cumulative(np.array([anchor], dtype=np.int64))[0]
     # each source's count is compared with its target after the sample (Megatron: before it, at max(x, 1)), so
     # a Schedule's change applies from its own first sample
@@ -340,8 +335,19 @@ class MixtureSampler(MeshSampler):
         return (rest.start + rest.samples - consumed) // self.global_batch_size
 
     def advance(self) -> None:
-        """Move the cursor one global batch: the counts, the run position and (``drop``) the sources left."""
+        """Move the cursor one global batch: the counts, the run position and (``drop``) the sources left.
+
+        A linear Schedule's weights are planned past its last point as held there, but a batch past it is
+        refused here, before it is handed out (the plan of an epoch may run past a Schedule that the run does
+        not outlive)."""
         rest, b = self._order_from_cursor(), self.global_batch_size
+        end = self.weights().end
+        if end is not None and self.total + b > end:
+            raise DataError(
+                f"the mixture's linear Schedule ends at sample {end}, and this step would reach sample "
+                f"{self.total + b}: add a point at or after the run's end (or use interpolate='constant', whose "
+                "last weights hold)"
+            )
         i = self.consumed - rest.start
         self.counts += np.bincount(rest.sources[i : i + b], minlength=len(self.counts))
         self.consumed += b

@@ -98,7 +98,9 @@ class Observer:
     of the previous iteration: data loading and handlers included), ``samples_per_s`` and, for integer 2-D
     inputs, ``tokens_per_s`` (this rank's valid rows × the batch dims' size, tokens × batch and split dims'
     sizes: the whole run's rate), ``peak_mem_mb`` (CUDA max allocated, else the process's peak RSS) and
-    ``data_mb_read`` (the loader's ``bytes_read``, this rank). ``smoothed`` holds the rates averaged over
+    ``data_mb_read`` (the loader's ``bytes_read``, this rank); from a mixture (``meshwise.data.mix``),
+    ``mix/<source>``, the share of the samples each source gave (in the run, or this epoch where sources
+    restart each epoch). ``smoothed`` holds the rates averaged over
     recent steps, for a progress bar. With ``collectives`` (attach it on every rank then), at each epoch's end
     and the run's, :func:`rank_stats` fills ``ranks`` on global rank 0: every rank's peak memory and data read,
     through the rendezvous store (no collective).
@@ -216,6 +218,11 @@ class Observer:
         read = getattr(engine.state.dataloader, "bytes_read", None)
         if isinstance(read, (int, float)):
             values["data_mb_read"] = read / 2**20
+        realised = getattr(getattr(engine.state.dataloader, "sampler", None), "realised", None)
+        if realised is not None:  # a mixture (meshwise.data.mix): the share each source gave so far
+            counts = realised()
+            total = sum(counts.values()) or 1
+            values.update({f"mix/{name}": n / total for name, n in counts.items()})
         if counted or not elapsed > 0:
             return  # the counted step runs slower under the counter: not a rate
         values["step_time_s"] = elapsed
