@@ -13,7 +13,8 @@ import pytest
 from meshwise.testing import run_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "hf_pretrain" / "train.py"
-MESHES = {"packed": ("4", "dp=2,tp=2"), "mixture": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}  # the stream's data-rank split needs only dp
+# the stream's data-rank split needs only dp
+MESHES = {"packed": ("4", "dp=2,tp=2"), "mixture": ("4", "dp=2,tp=2"), "streaming": ("2", "dp=2")}
 STEPS, STOP = 6, 3
 
 
