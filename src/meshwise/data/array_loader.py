@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.options import LoaderOptions
+from meshwise.data.options import LoaderOptions, OptionsLoader
 from meshwise.data.parts import FieldPart, as_parts, resolve_part
 from meshwise.data.reading import balanced_positions
 from meshwise.data.sampler import READS, CursorLoader
@@ -161,7 +161,7 @@ def _stage_reads(topology: Topology, stage_fields: Mapping[str, Sequence[str]], 
     return {n for key, fields in lists.items() if wanted[key] for n in fields}
 
 
-class MeshDataLoader(CursorLoader):
+class MeshDataLoader(OptionsLoader, CursorLoader):
     """Iterate dict batches for this rank: fields ``[B_local, *part shape]``, ``valid`` (bool), ``index`` (int64).
 
     Build it with :func:`mesh_dataloader`. ``len()`` is the number of steps in an epoch (the same on every
@@ -169,16 +169,8 @@ class MeshDataLoader(CursorLoader):
     rank read from storage for the batches handed out; ``parts[name]`` says where each field's part sits.
     """
 
-    def __init__(
-        self,
-        dataset: ArrayDataset | Mapping[str, Any],
-        topology: Topology | None = None,
-        *,
-        options: LoaderOptions | None = None,
-        **keywords: Any,
-    ) -> None:
-        """``options`` (or the same as keyword arguments: see :class:`LoaderOptions`); ``collate_fn`` is refused."""
-        options = LoaderOptions.of(options, keywords, "MeshDataLoader")
+    def _build(self, dataset: Any, topology: Topology | None, options: LoaderOptions) -> None:
+        """Built from :class:`LoaderOptions` (see ``OptionsLoader``); ``collate_fn`` is refused."""
         if options.collate_fn is not None:
             raise DataError(
                 "collate_fn= is for map-style datasets; array fields are fixed-shape and come as views of one buffer: "

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from meshwise.data.collate import as_fields
-from meshwise.data.options import LoaderOptions
+from meshwise.data.options import LoaderOptions, OptionsLoader
 from meshwise.data.parts import FieldPart, as_parts, resolve_part
 from meshwise.data.reading import SampleReader, check_specs, decode, encode, positions_of
 from meshwise.data.sampler import CursorLoader
@@ -51,7 +51,7 @@ def check_map_style(dataset: Any) -> None:
         )
 
 
-class MeshSampleLoader(CursorLoader):
+class MeshSampleLoader(OptionsLoader, CursorLoader):
     """Dict batches of a map-style source for this rank: collated fields ``[B_local, ...]``, ``valid``, ``index``.
 
     Built by :func:`meshwise.data.mesh_dataloader` for a torch ``Dataset`` or a ``datasets.Dataset``. The same
@@ -59,16 +59,8 @@ class MeshSampleLoader(CursorLoader):
     same read strategies; ``parts`` cuts the collated batch (``loader.parts``: the parts of the last batch).
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        topology: Topology | None = None,
-        *,
-        options: LoaderOptions | None = None,
-        **keywords: Any,
-    ) -> None:
-        """``options`` (or the same as keyword arguments: see :class:`LoaderOptions`); ``stage_fields`` is refused."""
-        options = LoaderOptions.of(options, keywords, "MeshSampleLoader")
+    def _build(self, dataset: Any, topology: Topology | None, options: LoaderOptions) -> None:
+        """Built from :class:`LoaderOptions` (see ``OptionsLoader``); ``stage_fields`` is refused."""
         check_map_style(dataset)
         if options.stage_fields is not None:
             raise DataError(

@@ -7,9 +7,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshwise.errors import DataError
+
+if TYPE_CHECKING:  # annotations only
+    from meshwise.topology import Topology
 
 __all__ = ["LoaderOptions"]
 
@@ -67,3 +70,22 @@ class LoaderOptions:
         if self.multiprocessing_context is None and "fork" in multiprocessing.get_all_start_methods():
             return "fork"
         return self.multiprocessing_context
+
+
+class OptionsLoader:
+    """The constructor of the three loaders: a dataset, a topology, and :class:`LoaderOptions` given whole
+    (``options=``, as :func:`~meshwise.data.mesh_dataloader` passes them) or as keyword arguments."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        topology: Topology | None = None,
+        *,
+        options: LoaderOptions | None = None,
+        **keywords: Any,
+    ) -> None:
+        """``options``, or the same as keyword arguments (see :class:`LoaderOptions`); not both."""
+        self._build(dataset, topology, LoaderOptions.of(options, keywords, type(self).__name__))
+
+    def _build(self, dataset: Any, topology: Topology | None, options: LoaderOptions) -> None:
+        raise NotImplementedError  # each loader reads its kind of source

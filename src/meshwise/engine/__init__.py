@@ -9,12 +9,21 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from meshwise.causal_lm import shift_labels
-from meshwise.engine.evaluator import EvalMetrics, create_evaluator
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
 from meshwise.engine.ignite_engine import on_mesh
 from meshwise.engine.run_log import RunLogger, setup_logging
 from meshwise.engine.trainer import MeshEngine, TrainStep, create_trainer
+
+if TYPE_CHECKING:
+    from meshwise.engine.evaluator import EvalMetrics, create_evaluator
+
+# The evaluator loads on first use: it imports torchmetrics (~1.7 s of CPU a process), which a rank that only
+# trains would pay at start.
+_LAZY = {"EvalMetrics": "meshwise.engine.evaluator", "create_evaluator": "meshwise.engine.evaluator"}
 
 __all__ = [
     "Checkpointing",
@@ -32,3 +41,9 @@ __all__ = [
     "setup_logging",
     "shift_labels",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshwise.engine' has no attribute {name!r}")

@@ -3,7 +3,6 @@ like one process would."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import sys
 from collections import OrderedDict
@@ -14,7 +13,7 @@ import torch
 from ignite.engine import Engine, Events
 from torch import nn
 
-from meshwise.causal_lm import IGNORE_INDEX, Batch
+from meshwise.causal_lm import IGNORE_INDEX
 from meshwise.dryrun import note_trainer
 from meshwise.engine import stop
 from meshwise.engine.attach_checks import check_on_attach
@@ -92,18 +91,15 @@ def create_trainer(
     loss_fn: Callable[..., torch.Tensor],
     topology: Topology | None = None,
     *,
-    grad_clip: float | None = None,
-    norm_type: float = 2.0,
-    accumulation_steps: int = 1,
-    loss_weight: LossWeight = "samples",
-    prepare: Callable[[Batch], Batch] | None = None,
-    forward: Callable[[nn.Module, Batch], Any] | None = None,
-    step_context: Callable[[], contextlib.AbstractContextManager] | None = None,
-    input_key: str = "input",
-    target_key: str | None = "target",
     observe: bool = True,
+    **options: Any,
 ) -> Engine:
     """An ignite ``Engine`` whose step trains ``model`` on one local batch per iteration, like one process would.
+
+    ``options`` are :class:`TrainStep`'s keyword options, with its defaults: ``grad_clip=None``,
+    ``norm_type=2.0``, ``accumulation_steps=1``, ``loss_weight="samples"``, ``prepare=None``,
+    ``forward=None``, ``step_context=None``, ``input_key="input"``, ``target_key="target"``; an unknown one
+    raises ``TypeError``.
 
     Each iteration takes this rank's batch (a dict; ``valid`` False rows are excluded), applies
     ``prepare(batch)``, splits it into ``accumulation_steps`` micro-batches, and for each runs
@@ -141,26 +137,12 @@ def create_trainer(
     step_class = TrainStep
     if resolve(topology).size(resolve(topology).stage_dims) > 1:  # the stages run a schedule (docs/pipeline.md)
         step_class = PipelineTrainStep
-    step = step_class(
-        model,
-        optimizer,
-        loss_fn,
-        topology,
-        grad_clip=grad_clip,
-        norm_type=norm_type,
-        accumulation_steps=accumulation_steps,
-        loss_weight=loss_weight,
-        prepare=prepare,
-        forward=forward,
-        step_context=step_context,
-        input_key=input_key,
-        target_key=target_key,
-    )
+    step = step_class(model, optimizer, loss_fn, topology, **options)
     engine = MeshEngine(step)  # an Engine that also resumes mid-way through a stream's first pass
     # ignite's own metrics and checkpoint handlers attached to it, and its loader's sampler, checked at each run
     engine.add_event_handler(Events.STARTED, run_ignite_checks, step.topology)
     if observe:  # rate, lr, memory, MFU for ProgressBar/RunLogger: no collective after the first step
-        Observer(step.topology, optimizer=optimizer, input_key=input_key).attach(engine)
+        Observer(step.topology, optimizer=optimizer, input_key=step.input_key).attach(engine)
     check_on_attach(engine, step.topology)  # ignite loggers leader-only, a DiskSaver of shards refused when attached
     note_trainer(engine, optimizer)  # a dry run records its steps and stops it after a few (meshwise.dryrun)
     stop.attach(engine)  # SIGINT/SIGTERM: every rank stops at one agreed step, a checkpoint first (engine/stop.py)

@@ -10,10 +10,25 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from meshwise.errors import MetricSyncTimeout
 from meshwise.metrics.ignite_metrics import adopt_ignite_metrics
-from meshwise.metrics.mean_loss import MeanLoss
-from meshwise.metrics.mesh_metric import MeshMetric, Select, compute_all, filter_rows
+
+if TYPE_CHECKING:
+    from meshwise.metrics.mean_loss import MeanLoss
+    from meshwise.metrics.mesh_metric import MeshMetric, Select, compute_all, filter_rows
+
+# The torchmetrics road loads on first use: importing torchmetrics costs ~1.7 s of CPU (it imports transformers
+# and matplotlib), which every rank of a script that uses only ignite's metrics, or none, would pay at start.
+_LAZY = {
+    "MeanLoss": "meshwise.metrics.mean_loss",
+    "MeshMetric": "meshwise.metrics.mesh_metric",
+    "Select": "meshwise.metrics.mesh_metric",
+    "compute_all": "meshwise.metrics.mesh_metric",
+    "filter_rows": "meshwise.metrics.mesh_metric",
+}
 
 __all__ = [
     "MeanLoss",
@@ -24,3 +39,9 @@ __all__ = [
     "compute_all",
     "filter_rows",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'meshwise.metrics' has no attribute {name!r}")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError
-from meshwise.metrics.sync import replica_check, sync_failure
+from meshwise.metrics.replicas import replica_check, sync_failure
 
 __all__ = ["Frame", "bump", "fused_compute", "routed", "version"]
 

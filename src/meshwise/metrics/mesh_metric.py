@@ -21,7 +21,8 @@ from meshwise import compat
 from meshwise.debug import guarded
 from meshwise.errors import CollectiveTimeoutError, MetricError, TopologyError
 from meshwise.layout import Dims
-from meshwise.metrics.sync import is_fused, leaves, replica_check, sync_failure, sync_states, to_cpu
+from meshwise.metrics.replicas import replica_check, sync_failure
+from meshwise.metrics.sync import is_fused, leaves, sync_states, to_cpu
 from meshwise.topology import Topology, resolve
 
 __all__ = ["MeshMetric", "Select", "compute_all", "filter_rows"]
