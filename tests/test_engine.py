@@ -74,11 +74,18 @@ def test_logs_written_once_and_plotted(run, tmp_path, capsys):
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     from meshwise.errors import MeshwiseError
-    from meshwise.plot import plot_run, read_metrics
+    from meshwise.plot import panels, plot_run, read_metrics
 
     records = [{"tag": t, "step": s, "loss": 1.0 / s, "acc": s / 10} for t in ("train", "val") for s in (1, 2, 3)]
+    # a mixture's run: per-source metrics of the evaluator (sources=) and the realised shares of the trainer
+    records += [{"tag": "val", "step": s, "acc/web": s / 20, "acc/code": s / 30} for s in (1, 2, 3)]
+    records += [{"tag": "train", "step": s, "mix/web": 0.7, "mix/code": 0.3} for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)))
     assert read_metrics(tmp_path)["acc"]["val"] == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    grouped = panels(read_metrics(tmp_path))  # one panel a metric, a line per tag and source
+    assert sorted(grouped) == ["acc", "loss", "mix"] and sorted(grouped["mix"]) == ["train code", "train web"]
+    assert sorted(grouped["acc"]) == ["train", "val", "val code", "val web"]
+    assert grouped["acc"]["val web"] == [(1, 0.05), (2, 0.1), (3, 0.15)]
     png = plot_run(tmp_path, tmp_path / "out" / "p.png")
     assert Path(png).read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(MeshwiseError, match="RunLogger"):

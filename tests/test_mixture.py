@@ -1,6 +1,7 @@
 """Weighted mixtures (``meshwise.data.mix``): Megatron's blending order, each source's own epochs, schedules,
 resume on any mesh and with other weights, exhaustion policies, per-source evaluation, and training on a real
-dp=2 x tp=2 mesh equal to one process (float64), stopped and resumed at dp=4 and at one process.
+dp=2 x tp=2 mesh equal to one process (float64), stopped and resumed at dp=4 and at one process; the same launch
+runs test_stream_mixture's checks of streams resumed at another data size.
 
 The oracles are independent: Megatron's ``build_blending_indices`` loop written out in Python, each source's
 order as ``numpy.random.default_rng([seed, crc32(name), epoch]).permutation(length)``, and plain torch.
@@ -96,6 +97,27 @@ def test_the_order_is_megatrons_and_each_source_its_own_shuffle(case):
         mine = [r for r, g in zip(rows, got) if g == s]
         assert mine == source_order(n, lengths[n], len(mine)), n
     assert len(loader) == 60 // gbs and loader.state_dict()["epoch"] == 3
+
+
+def test_the_compiled_rule_gives_pythons_order_and_megatrons():
+    """numba compiles the rule for long orders (make test installs it): the same picks as the Python loop."""
+    from meshwise.data import blend as rule
+
+    if rule._compiled() is None:
+        pytest.skip("numba is not installed (pip install meshwise[fast])")
+    w = rule.Weights(["a", "b", "c"], {"a": 0.5, "b": 0.3, "c": 0.2}, 1, np.ones(3))
+    n = 3 * rule._COMPILED_FROM
+    counts = np.zeros(3, dtype=np.int64)
+    compiled = rule.blend(w, 0, 0, counts.copy(), counts, n)  # long: numba
+    assert compiled.tolist() == megatron([0.5, 0.3, 0.2], n)
+    schedule = Schedule([(0, {"a": 1}), (n, {"c": 1})], interpolate="linear")
+    linear = rule.Weights(["a", "b", "c"], schedule, 1, np.ones(3))
+    start = np.array([7, 3, 2], dtype=np.int64)
+    counts = start.copy()
+    compiled = rule.blend(linear, 100, 90, np.array([5, 3, 2]), counts, n)
+    python, c = [0] * n, (start - np.array([5, 3, 2])).astype(np.float64).tolist()
+    rule._greedy(linear.since(90, np.arange(101, 101 + n)).tolist(), c, python)
+    assert compiled.tolist() == python and counts.tolist() == (np.array(c) + [5, 3, 2]).tolist()
 
 
 def test_a_resume_at_another_data_size_or_batch_gives_the_unbroken_order():
@@ -321,6 +343,9 @@ def _on_the_mesh() -> dict:
     out["dp4"], _ = _train(topo, RESUME_AT - STOP, state=stopped)  # ... resumed at dp=4 to RESUME_AT
     out["dp4 new weights"], _ = _train(topo, 2, state=stopped, weights={"web": 0.1, "code": 0.1, "math": 0.8})
     meshwise.shutdown()
+    from test_stream_mixture import on_the_mesh  # streams stopped at dp=4, resumed at dp=2 x tp=2: same launch
+
+    on_the_mesh(meshwise, out)
     return out
 
 
@@ -355,6 +380,9 @@ def test_a_mixture_trains_like_one_process_at_dp2_tp2_and_resumes_at_dp4_and_one
     for r in res:
         assert set(r["eval"]) == set(expect)
         assert all(abs(r["eval"][k] - v) <= 1e-12 for k, v in expect.items()), (r["eval"], expect)
+    from test_stream_mixture import check_the_mesh
+
+    check_the_mesh(res)  # a stream mixture and a plain stream resumed at another data size: each sample once
 
 
 def test_a_dry_run_describes_the_mixture():

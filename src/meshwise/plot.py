@@ -9,7 +9,7 @@ from pathlib import Path
 
 from meshwise.errors import MeshwiseError
 
-__all__ = ["METRICS_FILE", "plot_run", "read_metrics", "smoothed"]
+__all__ = ["METRICS_FILE", "panels", "plot_run", "read_metrics", "smoothed"]
 
 METRICS_FILE = "metrics.jsonl"
 _RESERVED = {"tag", "step", "epoch", "time"}
@@ -59,8 +59,20 @@ def smoothed(values: list[float], weight: float) -> list[float]:
     return out
 
 
+def panels(curves: dict[str, dict[str, list[tuple[int, float]]]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """``{panel: {line: points}}``: a metric's per-source values (``"mse/web"``, the evaluator's ``sources=``;
+    ``"mix/web"``, the realised mixture) share the panel of ``"mse"`` (``"mix"``), one line per tag and source."""
+    out: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for key, tags in curves.items():
+        panel, _, source = key.partition("/")
+        for tag, points in tags.items():
+            out.setdefault(panel, {})[f"{tag} {source}" if source else tag] = points
+    return out
+
+
 def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None = None, *, smooth: float = 0.6) -> str:
-    """Draw one panel per metric (loss first), one line per tag (train, val, rank0, ...); returns the PNG's path.
+    """Draw one panel per metric (loss first), one line per tag (train, val, rank0, ...) and, for per-source
+    values (:func:`panels`), per source; returns the PNG's path.
 
     A line of 30 points or more is drawn faint as measured and bold smoothed (:func:`smoothed` with weight
     ``smooth``; 0 turns it off). The default path is ``RUN_DIR/curves.png``.
@@ -70,7 +82,7 @@ def plot_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = read_metrics(run_dir)
+    curves = panels(read_metrics(run_dir))
     names = sorted(curves, key=lambda k: (k != "loss", k))
     cols = min(len(names), 3)
     rows = -(-len(names) // cols)

@@ -20,6 +20,7 @@ import torch
 from meshwise.data.blend import EXHAUSTED, Blend, MixtureSampler, Schedule, check_weights
 from meshwise.data.mapped import check_map_style
 from meshwise.data.sources import ArrayDataset, Source, torch_dtype
+from meshwise.data.stream_mixture import StreamMixture
 from meshwise.data.streaming import is_streaming
 from meshwise.errors import DataError
 
@@ -43,14 +44,12 @@ class _Concat(Source):
     def read(self, idx: np.ndarray, region: tuple[slice, ...], out: Any) -> int:
         source, rows = self.blend.locate(idx)
         total = 0
-        for s in np.unique(source):
+        for s in np.flatnonzero(np.bincount(source, minlength=len(self.parts))):
             at = np.flatnonzero(source == s)
             part = self.parts[int(s)]
             if len(at) == len(idx):  # every row from one source: its read fills ``out`` directly
                 return part.read(rows, region, out)
-            buf = out[at] if isinstance(out, np.ndarray) else out[torch.from_numpy(at)]
-            total += part.read(rows[at], region, buf)
-            out[at] = buf
+            total += part.read_into(rows[at], region, out, at if isinstance(out, np.ndarray) else torch.from_numpy(at))
         return total
 
 
@@ -135,7 +134,7 @@ def mix(
     seed: int = 0,
     exhausted: str = "repeat",
     epoch_samples: int | None = None,
-) -> ArrayMixture | SampleMixture:
+) -> ArrayMixture | SampleMixture | StreamMixture:
     """A dataset that draws from named ``sources`` at ``weights``: pass it to :func:`mesh_dataloader`.
 
     ``weights`` maps source names to weights (normalised to sum 1), or is a :class:`Schedule` of weights that
@@ -146,20 +145,30 @@ def mix(
     samples, by default all sources' lengths summed), ``"stop"`` (the mixture's epoch ends; every source then
     starts its next epoch) or ``"drop"`` (it leaves the mixture, the others' weights are renormalised; the
     epoch ends when every sample of every source was drawn once). Sources are all arrays (an ``ArrayDataset``, a
-    mapping of arrays, packed rows) or all map-style datasets; every batch gets the field ``source``.
+    mapping of arrays, packed rows), all map-style datasets, or all streams (a torch or ``datasets``
+    ``IterableDataset``: a :class:`~meshwise.data.stream_mixture.StreamMixture`, which resumes on any data size;
+    ``"stop"`` or ``"repeat"`` with ``epoch_samples``, each pass reads every source from its start); every batch
+    gets the field ``source``.
     """
     if not isinstance(sources, Mapping) or not sources:
         raise DataError("mix() takes a non-empty mapping source name -> dataset, e.g. mix({'web': a, 'code': b}, ...)")
     names = tuple(str(n) for n in sources)
     if exhausted not in EXHAUSTED:
         raise DataError(f"exhausted must be one of {EXHAUSTED}, got {exhausted!r}")
+    if epoch_samples is not None and (isinstance(epoch_samples, bool) or int(epoch_samples) < 1):
+        raise DataError(f"epoch_samples must be a positive int, got {epoch_samples!r}")
+    if epoch_samples is not None and exhausted != "repeat":
+        raise DataError(f"epoch_samples= is for exhausted='repeat'; under {exhausted!r} the sources' lengths set it")
     streams = [n for n, ds in sources.items() if is_streaming(ds)]
-    if streams:
+    if streams and len(streams) != len(sources):
         raise DataError(
-            f"mixture sources {streams} are streams: mix() takes map-style and array sources (random access, so "
-            "every source resumes exactly on any mesh); load the stream as a map-style dataset (e.g. "
-            "datasets.load_dataset(..., streaming=False)) to mix it"
+            f"mixture sources {streams} are streams and {sorted(set(sources) - set(streams))} are not: give every "
+            "source as the same kind (a stream mixture reads its sources in order; map-style ones are read by "
+            "index): wrap the others as IterableDatasets, or load the streams map-style"
         )
+    if streams:  # a stream's passes differ in length anyway: 'stop' with a Schedule is fine there
+        _check_schedule(weights, names, "repeat")
+        return StreamMixture(sources, weights, seed=int(seed), exhausted=exhausted, epoch_samples=epoch_samples)
     arrays = {n: ds for n, ds in sources.items() if isinstance(ds, (ArrayDataset, Mapping))}
     if arrays and len(arrays) != len(sources):
         raise DataError(
@@ -176,18 +185,18 @@ def mix(
     empty = [n for n, length in zip(names, lengths) if length < 1]
     if empty:
         raise DataError(f"mixture sources {empty} have no samples: drop them from the mixture")
-    if isinstance(weights, Schedule):
-        weights.check(names)
-        if exhausted == "stop" and len(weights.points) > 1:
-            raise DataError(
-                "exhausted='stop' with a Schedule gives epochs of different lengths (each ends when a source runs "
-                "out, which depends on the weights), and an ignite run has one epoch_length: use 'repeat' or 'drop'"
-            )
-    else:
-        check_weights(weights, names, "mix()")
-    if epoch_samples is not None and (isinstance(epoch_samples, bool) or int(epoch_samples) < 1):
-        raise DataError(f"epoch_samples must be a positive int, got {epoch_samples!r}")
-    if epoch_samples is not None and exhausted != "repeat":
-        raise DataError(f"epoch_samples= is for exhausted='repeat'; under {exhausted!r} the sources' lengths set it")
+    _check_schedule(weights, names, exhausted)
     blend = Blend(names, lengths, weights, int(seed), exhausted, int(epoch_samples or sum(lengths)))
     return ArrayMixture(sources, blend) if arrays else SampleMixture(sources, blend)
+
+
+def _check_schedule(weights: Mapping[str, float] | Schedule, names: Sequence[str], exhausted: str) -> None:
+    if not isinstance(weights, Schedule):
+        check_weights(weights, names, "mix()")
+        return
+    weights.check(names)
+    if exhausted == "stop" and len(weights.points) > 1:
+        raise DataError(
+            "exhausted='stop' with a Schedule gives epochs of different lengths (each ends when a source runs "
+            "out, which depends on the weights), and an ignite run has one epoch_length: use 'repeat' or 'drop'"
+        )

@@ -83,6 +83,14 @@ class Source:
     def read(self, idx: np.ndarray, region: tuple[slice, ...], out: Any) -> int:
         raise NotImplementedError
 
+    def read_into(self, idx: np.ndarray, region: tuple[slice, ...], out: Any, at: np.ndarray) -> int:
+        """Rows ``idx`` into the rows ``at`` of ``out`` (a mixture's batch joins rows of several sources)."""
+        shape = (len(at), *out.shape[1:])
+        buf = np.empty(shape, out.dtype) if isinstance(out, np.ndarray) else torch.empty(shape, dtype=out.dtype)
+        nbytes = self.read(idx, region, buf)
+        out[at] = buf
+        return nbytes
+
     def __len__(self) -> int:
         return self.shape[0]
 
@@ -133,6 +141,18 @@ class NumpySource(Source):
         else:
             for j, i in enumerate(idx.tolist()):
                 dst[j] = view[i]
+        return len(idx) * math.prod(view.shape[1:]) * self.dtype.itemsize
+
+    def read_into(self, idx: np.ndarray, region: tuple[slice, ...], out: Any, at: np.ndarray) -> int:
+        """As :meth:`read`, into the rows ``at`` of ``out``, with no batch buffer between (as many copies)."""
+        if not isinstance(out, np.ndarray):
+            return super().read_into(idx, region, out, at)
+        view = self._view(region)
+        if out[0].nbytes < _SMALL_ROW:
+            out[at] = view[idx]
+        else:
+            for j, i in zip(at.tolist(), idx.tolist()):
+                out[j] = view[i]
         return len(idx) * math.prod(view.shape[1:]) * self.dtype.itemsize
 
 

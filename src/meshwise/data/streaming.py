@@ -49,10 +49,11 @@ import torch.distributed as dist
 
 from meshwise import compat
 from meshwise.data.collate import as_fields, pad_collate
-from meshwise.data.options import LoaderOptions
+from meshwise.data.options import LoaderOptions, OptionsLoader
 from meshwise.data.parts import FieldPart, as_parts
 from meshwise.data.reading import SampleReader, blank_padding, check_specs, positions_of
 from meshwise.data.sampler import SUPERSEDED
+from meshwise.data.stream_mixture import StreamMixture
 from meshwise.errors import DataError
 from meshwise.topology import Topology, resolve
 
@@ -90,15 +91,15 @@ class _TorchShare(torch.utils.data.IterableDataset):
     (decoding, tokenising), not the read itself; the collate runs in the main process.
     """
 
-    def __init__(self, source: Any, rank: int, size: int, start: int) -> None:
-        self.source, self.rank, self.size, self.start = source, rank, size, start
+    def __init__(self, source: Any, rank: int, size: int, start: int, origin: int = 0) -> None:
+        self.source, self.rank, self.size, self.start, self.origin = source, rank, size, start, origin
 
     def __iter__(self) -> Iterator[Any]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         seen = 0
         for i, sample in enumerate(self.source):
-            if i % self.size != self.rank:
+            if i < self.origin or (i - self.origin) % self.size != self.rank:
                 continue
             if seen >= self.start and (seen - self.start) % workers == worker:
                 yield sample
@@ -137,7 +138,7 @@ def _drop(key: int) -> None:
     compat.stop_loader_workers(live)
 
 
-class MeshStreamLoader:
+class MeshStreamLoader(OptionsLoader):
     """Dict batches of a streaming source for this rank: collated fields ``[B_local, ...]``, ``valid``, ``index``.
 
     Built by :func:`meshwise.data.mesh_dataloader` for a torch ``IterableDataset`` or a
@@ -147,17 +148,9 @@ class MeshStreamLoader:
     ``multiprocessing_context``, default ``"fork"``, pass through); the position stays exact at every step.
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        topology: Topology | None = None,
-        *,
-        options: LoaderOptions | None = None,
-        **keywords: Any,
-    ) -> None:
-        """``options`` (or the same as keyword arguments: see :class:`LoaderOptions`); ``read`` must be ``"each"``
-        and ``stage_fields`` is refused."""
-        options = LoaderOptions.of(options, keywords, "MeshStreamLoader")
+    def _build(self, dataset: Any, topology: Topology | None, options: LoaderOptions) -> None:
+        """Built from :class:`LoaderOptions` (:class:`~meshwise.data.options.OptionsLoader`); ``read`` must be
+        ``"each"`` and ``stage_fields`` is refused."""
         global_batch_size, mode, seed = options.global_batch_size, options.mode, options.seed
         if mode not in MODES:
             raise DataError(f"mode must be one of {MODES}, got {mode!r}")
@@ -202,6 +195,11 @@ class MeshStreamLoader:
         self.num_workers, self.prefetch_factor = options.num_workers, options.prefetch_factor
         self.multiprocessing_context = options.worker_context()  # as for arrays: fork starts a worker in ms
         self.fingerprint = _fingerprint(dataset, self.hf, seed)
+        # a mixture of streams (meshwise.data.mix): its position is the mixture's, the same on every data size
+        self._mixture = dataset if isinstance(dataset, StreamMixture) else None
+        if self._mixture is not None:
+            self._mixture.bind(global_batch_size)
+        self._origin = 0  # where in the stream this pass's division by data rank starts (moved by a resize)
         self.epoch = 0
         self._consumed = 0  # samples of this rank's share handed out this epoch
         self._hf_state: dict[str, Any] | None = None  # the HF stream's own state at the last batch handed out
@@ -214,6 +212,8 @@ class MeshStreamLoader:
         self._ds = self._split()
 
     def _split(self) -> Any:
+        if self._mixture is not None and self.mode == "eval":
+            return self._mixture.eval_stream()  # every source once, source after source
         if not self.hf:
             return self.dataset
         from datasets.distributed import split_dataset_by_node
@@ -224,7 +224,9 @@ class MeshStreamLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from the start of the stream (a HF stream reshuffles by its epoch if shuffled)."""
-        self.epoch, self._consumed, self._hf_state = epoch, 0, None
+        if self._mixture is not None:  # the samples of the pass left behind count in the run (a Schedule's)
+            self._mixture.next_pass(epoch, self._pass_samples())
+        self.epoch, self._consumed, self._hf_state, self._origin = epoch, 0, None, 0
         self._close()
         self._ds = self._split()
 
@@ -249,6 +251,10 @@ class MeshStreamLoader:
         # "workers": a HF share read in workers saves the StatefulDataLoader's state, which only that many resume
         return {"consumed": self._consumed, "hf": self._hf_state, "workers": self.num_workers if self.hf else 0}
 
+    def _pass_samples(self) -> int:
+        """Samples of the stream this pass handed out over all data ranks (train: every rank the same count)."""
+        return self._origin + self._consumed * self.topology.data_size
+
     def state_dict(self) -> dict[str, Any]:
         """Every data rank's stream position (a collective over the batch dims: call it on every rank)."""
         size = self.topology.data_size
@@ -259,32 +265,38 @@ class MeshStreamLoader:
         else:
             gathered = [mine]
         positions = [p for _, p in sorted(gathered, key=lambda x: x[0])]
-        return {
+        state = {
             "kind": "stream",
             "epoch": self.epoch,
             "data_size": size,
             "fingerprint": self.fingerprint,
             "positions": positions,
+            "origin": self._origin,
         }
+        if self._mixture is not None and self.mode == "train":
+            state["mixture"] = self._mixture.position(self._pass_samples())
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at the saved positions; the same data size and source are required (never a silent skip)."""
+        """Resume at the saved positions (the same source; another data size where that is exact: docs/data.md)."""
         if state.get("kind") != "stream":
             raise DataError(
                 "this state_dict is not a streaming loader's (a map-style or array loader saved it): resume with "
                 "the loader type and source that saved it"
-            )
-        if state["data_size"] != self.topology.data_size:
-            raise DataError(
-                f"the stream position was saved at data size {state['data_size']}, this mesh has data size "
-                f"{self.topology.data_size}: a stream's per-rank positions cannot be redistributed; resume at "
-                f"data size {state['data_size']} (the batch dims' product), or start the epoch over with set_epoch()"
             )
         if state["fingerprint"] != self.fingerprint:
             raise DataError(
                 "the saved stream position belongs to another source (class, shard count, file list or seed "
                 "differ): resume with the same files and seed= that saved it, or start over with set_epoch()"
             )
+        if state.get("mixture") is not None and self._mixture is not None:
+            self.set_epoch(int(state["epoch"]))
+            self._mixture.seek(state["mixture"])  # the pass goes on from the mixture's position, on any data size
+            return
+        if state["data_size"] != self.topology.data_size:
+            self.set_epoch(int(state["epoch"]))
+            self._origin = self._resized_origin(state)
+            return
         mine = state["positions"][self.topology.data_rank]
         saved = int(mine.get("workers", 0))
         if self.hf and mine.get("hf") is not None and saved != self.num_workers:
@@ -296,6 +308,32 @@ class MeshStreamLoader:
         self.set_epoch(int(state["epoch"]))
         # the position is the saved one at once (a state_dict() before the next batch returns it unchanged)
         self._consumed, self._hf_state = int(mine["consumed"]), mine.get("hf")
+        self._origin = int(state.get("origin", 0))
+
+    def _resized_origin(self, state: Mapping[str, Any]) -> int:
+        """Where the division starts after a resume at another data size: past every sample handed out so far.
+
+        Data rank ``r`` of ``D`` kept the samples ``origin + r + m * D``; with the same count ``c`` on every rank
+        (train mode) they are exactly the first ``origin + c * D`` samples of the stream, so the new ranks divide
+        the rest from there: each sample once. A datasets stream (whole shard files per rank, positioned by its
+        own state) and unequal counts (an eval pass, where shares end apart) cannot be redistributed exactly."""
+        saved, now = int(state["data_size"]), self.topology.data_size
+        refuse = (
+            f"the stream position was saved at data size {saved}, this mesh has data size {now}: resume at data "
+            f"size {saved} (the batch dims' product), or start the epoch over with set_epoch()"
+        )
+        if self.hf:
+            raise DataError(
+                f"{refuse}. A datasets stream gives each data rank whole shard files and keeps its position in its "
+                "own state, which holds no position per shard file to hand to other ranks"
+            )
+        consumed = {int(p["consumed"]) for p in state["positions"]}
+        if len(consumed) != 1:
+            raise DataError(
+                f"{refuse}. The data ranks had handed out different counts {sorted(consumed)} (an evaluation pass "
+                "near its end), so the samples read so far are not a prefix of the stream"
+            )
+        return int(state.get("origin", 0)) + consumed.pop() * saved
 
     # ------------------------------------------------------------------ reading
 
@@ -319,7 +357,7 @@ class MeshStreamLoader:
             return iter(source), (source if self.num_workers else None)
         # Every rank reads the whole stream and keeps every size-th sample from its data rank; a position inside
         # the pass replays (reads and drops) the samples consumed before it.
-        share = _TorchShare(self._ds, self.topology.data_rank, self.topology.data_size, self._consumed)
+        share = _TorchShare(self._ds, self.topology.data_rank, self.topology.data_size, self._consumed, self._origin)
         return iter(self._worker_loader(share) if self.num_workers else share), None
 
     def _worker_loader(self, share: Any) -> Any:
@@ -378,7 +416,9 @@ class MeshStreamLoader:
                     self._close()
                 raise
             if batch is None:  # the pass is over: the next iter() reads the stream again from its start
-                self._consumed, self._hf_state = 0, None
+                if self._mixture is not None:
+                    self._mixture.next_pass(self.epoch, self._pass_samples())
+                self._consumed, self._hf_state, self._origin = 0, None, 0
                 self._close()
                 self._ds = self._split()
                 return
@@ -387,6 +427,8 @@ class MeshStreamLoader:
     def _next_batch(self, stream: Iterator[Any]) -> dict[str, Any] | None:
         """The next batch of the pass, the position moved past it; ``None`` when the batch ranks agree it is over."""
         b = self.local_batch_size
+        if self._mixture is not None and self.mode == "train":  # a linear Schedule's end: on every rank at once
+            self._mixture.check_step(self._pass_samples() + self.global_batch_size)
         samples: list[Any] = []
         while len(samples) < b:
             try:
