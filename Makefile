@@ -35,7 +35,7 @@ docs: $(STAMP)
 
 test: lint
 	$(BIN)/python -c "import torch; print('make test: torch', torch.__version__)"
-	$(BIN)/python -m pytest -q -x --timeout=300 tests
+	$(BIN)/python -m pytest -q -x --timeout=300 -n 2 --dist loadfile tests
 
 # The edit loop (about 1.5 minutes on 2 cores): the one-process tests and the quick multi-process files, without
 # `slow` tests. It leaves out the files that start `meshwise run`/torchrun or fresh interpreters (checkpoint fault
@@ -65,7 +65,7 @@ $(NEXT_STAMP): pyproject.toml
 
 test-torch-next: $(NEXT_STAMP)
 	$(NEXT)/bin/python -c "import torch; print('make test-torch-next: torch', torch.__version__)"
-	$(NEXT)/bin/python -m pytest -q -x --timeout=300 tests
+	$(NEXT)/bin/python -m pytest -q -x --timeout=300 -n 2 --dist loadfile tests
 
 print-next-venv:
 	@echo $(NEXT)

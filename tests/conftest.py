@@ -3,10 +3,17 @@ a test that leaves torch's default dtype changed fails (it would change the numb
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from meshwise.testing import describe_launches
+
+# `make test` runs two pytest-xdist workers on the 2-core machine (docs/dev/test-durations.md): one intra-op
+# thread each, as every launched rank has, so the in-process tests of one worker do not take the other's core.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
