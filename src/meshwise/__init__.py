@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshwise import debug, topology
 from meshwise.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeoutError, MeshwiseError
+from meshwise.lazy import lazy_attributes
 from meshwise.topology import Topology, current, init, shutdown
 from meshwise.version import __version__
 
@@ -76,9 +76,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _SUBMODULES:
-        return importlib.import_module(f"meshwise.{name}")
-    raise AttributeError(f"module 'meshwise' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY, _SUBMODULES)

@@ -88,6 +88,21 @@ class Blend:
         return source, index - self.offsets[source]
 
 
+SOURCE = "source"  # the field a mixture adds: which source a sample came from (an index into its names)
+
+
+def tag_source(names: Sequence[str], s: int, sample: Any) -> dict[str, Any]:
+    """A sample of source ``s`` with the field ``source``: its source must give dict samples without that field."""
+    if not isinstance(sample, Mapping):
+        raise DataError(
+            f"mixture source {names[s]!r} gives {type(sample).__name__} samples: a mixture adds the field "
+            f"{SOURCE!r}, so its sources must give dict samples"
+        )
+    if SOURCE in sample:
+        raise DataError(f"samples of {names[s]!r} have a field {SOURCE!r}, the mixture's own: rename it")
+    return {**sample, SOURCE: s}
+
+
 def check_weights(weights: Mapping[str, float], names: Sequence[str], where: str) -> np.ndarray:
     """``weights`` as a vector over ``names``, normalised; a DataError for unknown names, negatives or zero sum."""
     if not isinstance(weights, Mapping):

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshwise.data.blend import EXHAUSTED, Blend, MixtureSampler, Schedule, check_weights
+from meshwise.data.blend import EXHAUSTED, SOURCE, Blend, MixtureSampler, Schedule, check_weights, tag_source
 from meshwise.data.mapped import check_map_style
 from meshwise.data.sources import ArrayDataset, Source, torch_dtype
 from meshwise.data.stream_mixture import StreamMixture
@@ -25,8 +25,6 @@ from meshwise.data.streaming import is_streaming
 from meshwise.errors import DataError
 
 __all__ = ["ArrayMixture", "SampleMixture", "mix"]
-
-SOURCE = "source"  # the field that says which source a row came from
 
 
 class _Concat(Source):
@@ -116,15 +114,7 @@ class SampleMixture:
     def __getitem__(self, index: int) -> dict[str, Any]:
         source, row = self.blend.locate(np.array([index], dtype=np.int64))
         s = int(source[0])
-        sample = self.sources[s][int(row[0])]
-        if not isinstance(sample, Mapping):
-            raise DataError(
-                f"mixture source {self.blend.names[s]!r} gives {type(sample).__name__} samples: a mixture adds the "
-                f"field {SOURCE!r}, so its sources must give dict samples"
-            )
-        if SOURCE in sample:
-            raise DataError(f"samples of {self.blend.names[s]!r} have a field {SOURCE!r}, the mixture's own: rename it")
-        return {**sample, SOURCE: s}
+        return tag_source(self.blend.names, s, self.sources[s][int(row[0])])
 
 
 def mix(

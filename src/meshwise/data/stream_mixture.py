@@ -25,12 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshwise.data.blend import Schedule, Weights, blend
+from meshwise.data.blend import Schedule, Weights, blend, tag_source
 from meshwise.errors import DataError
 
 __all__ = ["StreamMixture"]
 
-SOURCE = "source"  # the field that says which source a sample came from (as for map-style mixtures)
 _CHUNK = 4096  # samples of the order computed at once while a pass is read
 _END = object()  # what next() gives for a source that ran out
 
@@ -157,14 +156,7 @@ class StreamMixture(torch.utils.data.IterableDataset):
         return iter(source)
 
     def _sample(self, s: int, sample: Any) -> dict[str, Any]:
-        if not isinstance(sample, Mapping):
-            raise DataError(
-                f"mixture source {self.names[s]!r} gives {type(sample).__name__} samples: a mixture adds the field "
-                f"{SOURCE!r}, so its sources must give dict samples"
-            )
-        if SOURCE in sample:
-            raise DataError(f"samples of {self.names[s]!r} have a field {SOURCE!r}, the mixture's own: rename it")
-        return {**sample, SOURCE: s}
+        return tag_source(self.names, s, sample)
 
     def _skip(self, s: int, n: int) -> Iterator[Any]:
         """Source ``s`` opened and moved past its first ``n`` samples (under ``"repeat"``, across its restarts)."""

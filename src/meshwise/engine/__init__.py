@@ -9,14 +9,14 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshwise.causal_lm import shift_labels
 from meshwise.engine.handlers import Checkpointing, EngineState, PeriodicEvaluation, ProgressBar, TimeBudget
 from meshwise.engine.ignite_engine import on_mesh
 from meshwise.engine.run_log import RunLogger, setup_logging
 from meshwise.engine.trainer import MeshEngine, TrainStep, create_trainer
+from meshwise.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from meshwise.engine.evaluator import EvalMetrics, create_evaluator
@@ -43,7 +43,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'meshwise.engine' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

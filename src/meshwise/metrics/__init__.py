@@ -10,10 +10,10 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from meshwise.errors import MetricSyncTimeout
+from meshwise.lazy import lazy_attributes
 from meshwise.metrics.ignite_metrics import adopt_ignite_metrics
 
 if TYPE_CHECKING:
@@ -41,7 +41,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'meshwise.metrics' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)
