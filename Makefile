@@ -133,8 +133,9 @@ sweep-table:
 # and starts a single-host SLURM 22.05 with two slurmd's in a temporary folder; tests/slurm/real_slurm.py (not named
 # test_*.py, so `make test` does not collect it) submits quickstart under srun -n 4 (equal to one process), the
 # no-srun slip (refused in seconds), srun -m cyclic (placement warned), scancel (no process left), both
-# examples/slurm/*.sbatch as their CPU lines (equal to one process) and scontrol requeue (resumed, equal to an
-# unbroken run); tools/slurm/stop.sh stops it all. Skips, with the reason, where it cannot run (not root, no apt-get).
+# GPT examples/slurm/*.sbatch as their CPU lines (equal to one process), scontrol requeue and the time limit's
+# SIGUSR1 warning to examples/slurm/requeue.sbatch (each resumed, equal to an unbroken run); tools/slurm/stop.sh
+# stops it all. Skips, with the reason, where it cannot run (not root, no apt-get).
 # About 2.5 to 3 minutes on 2 cores.
 .PHONY: test-slurm
 test-slurm: $(STAMP)

@@ -112,14 +112,17 @@ def test_a_mesh_in_code_that_differs_from_the_launchers_is_an_error(tmp_path):
     assert result.stdout.count("Traceback") == 1  # the second rank's identical error is one line
 
 
-def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_one_resume_line(tmp_path):
-    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it, in the middle of epoch 2; the
-    resume line's command then finishes the run, equal to one process trained without a break."""
+def _stopped_mid_epoch(tmp_path: Path, send: str) -> tuple[Path, re.Match]:
+    """Start the test script under `meshwise run` at dp=2, signal it in the middle of epoch 2 (``send``: "SIGINT"
+    to the launcher's process group, as a terminal's Ctrl-C; "SIGUSR1" to the launcher alone, as a scheduler's
+    warning reaches the step's task), and check the stop: every rank after the same step, a checkpoint there, exit
+    128 + the signal, one last line and no rank left."""
     run = tmp_path / "run"
     cmd = [*MESHWISE, "run", "--nproc-per-node", "2", "--mesh", "dp=2", str(SCRIPT)]
     cmd += ["--run-dir", str(run), "--epochs", "3", "--sleep", "0.2"]
     run.mkdir()
     log = tmp_path / "out.txt"
+    sig = getattr(signal, send)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True)
     try:
@@ -129,7 +132,7 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_one_resume_line(tmp_path)
             if progress.exists() and len(progress.read_text().splitlines()) >= 15:  # epoch 2 (12 steps an epoch)
                 break
             time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
         sent = time.monotonic()
         rc = proc.wait(timeout=60)
         took = time.monotonic() - sent
@@ -137,12 +140,12 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_one_resume_line(tmp_path)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     text = log.read_text()
-    assert rc == 130, text
+    assert rc == 128 + sig, text
     assert took < 15, took
     assert "Traceback" not in text and "KeyboardInterrupt" not in text and "Connection closed" not in text, text
     last = _lines(text)[-1]
     found = re.fullmatch(
-        r"meshwise run: stopped by SIGINT after step (\d+) \(epoch 2, step (\d+) of 12\); checkpoint saved at step "
+        rf"meshwise run: stopped by {send} after step (\d+) \(epoch 2, step (\d+) of 12\); checkpoint saved at step "
         r"(\d+) in (\S+)\. Resume: (.*)",
         last,
     )
@@ -152,7 +155,20 @@ def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_one_resume_line(tmp_path)
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
     time.sleep(0.5)
     assert _left_processes(str(run)) == [], "a rank outlived the stop"
-    print(f"Ctrl-C: {len(text.splitlines())} lines, stopped in {took:.1f}s at step {step}")
+    print(f"{send}: {len(text.splitlines())} lines, stopped in {took:.1f}s at step {step}")
+    return run, found
+
+
+def test_a_schedulers_warning_signal_saves_and_asks_to_be_requeued(tmp_path):
+    """SIGUSR1 (SLURM's --signal=USR1@120, before a time limit's kill) to `meshwise run`: torchrun's agent passes it
+    to the ranks, which stop after one step with a checkpoint; exit code 138, which a batch script requeues."""
+    _stopped_mid_epoch(tmp_path, "SIGUSR1")
+
+
+def test_ctrl_c_stops_every_rank_with_a_checkpoint_and_one_resume_line(tmp_path):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C sends it, in the middle of epoch 2; the
+    resume line's command then finishes the run, equal to one process trained without a break."""
+    run, found = _stopped_mid_epoch(tmp_path, "SIGINT")
 
     resume = shlex.split(found.group(5))
     assert resume[:2] == ["meshwise", "run"]

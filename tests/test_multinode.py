@@ -317,28 +317,34 @@ def test_the_first_nodes_launcher_hosts_slurms_rendezvous_store_until_every_node
     capsys.readouterr()
 
 
-def test_a_sigterm_told_twice_is_one_stop_and_the_stop_line_names_the_slurm_job(monkeypatch):
-    """scancel and scontrol requeue signal every process of the step, and torchrun forwards its own copy: a second
-    SIGTERM within seconds is the same stop, a later one ends the process at once."""
+@pytest.mark.parametrize("name, code", [("SIGTERM", 143), ("SIGUSR1", 138)])
+def test_a_signal_told_twice_is_one_stop_and_the_stop_line_names_the_slurm_job(monkeypatch, name, code):
+    """scancel, scontrol requeue and --signal=USR1@T signal every process of the step, and torchrun forwards its own
+    copy: a second SIGTERM (SIGUSR1) within seconds is the same stop, a later one ends the process at once, with
+    128 + the signal (138 for SIGUSR1: saved before the time limit, requeue me)."""
     import logging
     import signal
 
     from meshwise.debug import interrupt
 
+    sig = getattr(signal, name)
     interrupt._STATE.__init__()
     interrupt.loop_started()
     try:
-        interrupt._handle(signal.SIGTERM, None)
-        interrupt._handle(signal.SIGTERM, None)  # the same stop: the loop still stops at an agreed step
-        assert interrupt.received() == signal.SIGTERM
+        interrupt._handle(sig, None)
+        interrupt._handle(sig, None)  # the same stop: the loop still stops at an agreed step
+        assert interrupt.received() == sig and interrupt.exit_code() == code
         interrupt._STATE.since = time.monotonic() - 60
         with pytest.raises(SystemExit) as ended:
-            interrupt._handle(signal.SIGTERM, None)
-        assert ended.value.code == 143
+            interrupt._handle(sig, None)
+        assert ended.value.code == code
     finally:
         interrupt.loop_ended()
         interrupt._STATE.__init__()
         logging.disable(logging.NOTSET)
+    if name == "SIGUSR1":
+        assert interrupt.REQUEUE_CODE == 138
+        return
     record = {"signal": 15, "step": 12, "epoch": 2, "epoch_length": 8}
     record["checkpoint"] = {"step": 12, "folder": "runs/x/checkpoints", "saved": True}
     monkeypatch.setenv("SLURM_JOB_ID", "77")

@@ -39,9 +39,9 @@ _RUN_HELP = """\
 usage: meshwise run [options] SCRIPT.py [script arguments]      (or: meshwise run [options] -m MODULE ...)
 
 Run SCRIPT on every process of a mesh, with torchrun underneath. The script is checked before any process
-starts; a failed run ends with its first error (which rank, the message, where); Ctrl-C or SIGTERM stops
-every rank after the same step (a checkpoint first, where Checkpointing is attached) and ends with the
-command that resumes it.
+starts; a failed run ends with its first error (which rank, the message, where); Ctrl-C, SIGTERM or SIGUSR1
+stops every rank after the same step (a checkpoint first, where Checkpointing is attached) and ends with the
+command that resumes it (SIGUSR1, a scheduler's warning before its kill: exit code 138, "requeue me").
 
 meshwise options:
   --nproc-per-node N          processes on this node (default 1)
@@ -175,6 +175,11 @@ def _run(argv: Sequence[str]) -> int:
         args.log_dir = str(index / "torchrun")
     noise = _QuietTorchrun()
     command = shlex.join(["meshwise", "run", *argv])
+    # torchrun's agent stops its workers on the signals it handles (--signals-to-handle), with the same signal:
+    # SIGUSR1 (a scheduler's warning before the kill, SLURM's --signal=USR1@120) joins its defaults, so every rank
+    # saves and ends with 138; a list the user gave is kept
+    if getattr(args, "signals_to_handle", None) == "SIGTERM,SIGINT,SIGHUP,SIGQUIT":
+        args.signals_to_handle += ",SIGUSR1"
     try:
         torchrun.run(args)
         if hosted is not None:
@@ -188,9 +193,10 @@ def _run(argv: Sequence[str]) -> int:
             hosted.finish()
         stop = _stop_record(index)
         codes = {f.exitcode for f in exc.failures.values()}
-        if stop is not None or codes <= {130, 143, -signal.SIGINT, -signal.SIGTERM}:
-            # the ranks got the signal directly (scancel, srun) and stopped: not a failure
-            sig = (stop or {}).get("signal") or (signal.SIGTERM if codes & {143, -signal.SIGTERM} else signal.SIGINT)
+        stops = {s: {128 + s, -s} for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}  # the first found wins
+        if stop is not None or codes <= set().union(*stops.values()):
+            # the ranks got the signal directly (scancel, srun, --signal) and stopped: not a failure
+            sig = (stop or {}).get("signal") or next(s for s, ended in stops.items() if codes & ended)
             return _stopped(index, int(sig), command)
         print(failure_story(exc, index), file=sys.stderr, flush=True)
         return 1
@@ -270,7 +276,7 @@ def _stopped(index: str | os.PathLike[str], sig: int, command: str) -> int:
     code 128 + the signal. Later signals are ignored meanwhile (torchrun's handler would raise a traceback)."""
     from meshwise.debug.interrupt import slurm_job_note, stop_line
 
-    for each in (signal.SIGINT, signal.SIGTERM):
+    for each in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(each, signal.SIG_IGN)
     record = _stop_record(index)
     if record is None:

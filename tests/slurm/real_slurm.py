@@ -2,7 +2,8 @@
 test_*.py, so `pytest tests` does not collect it; `make test-slurm` names it). tools/slurm/start.sh installs (apt)
 and starts a single-host SLURM 22.05 with two slurmd's (mwnode1, mwnode2) in a temporary folder; every test submits
 real srun/sbatch jobs (the quick start under srun, the no-srun slip, cyclic placement, scancel, both
-examples/slurm/*.sbatch as documented for a CPU partition, scontrol requeue); tools/slurm/stop.sh stops it all. Skips,
+GPT examples/slurm/*.sbatch as documented for a CPU partition, scontrol requeue, and examples/slurm/requeue.sbatch
+warned with SIGUSR1 as before a time limit); tools/slurm/stop.sh stops it all. Skips,
 with the reason, where that cannot run (not root, no apt-get, no package access)."""
 
 from __future__ import annotations
@@ -265,4 +266,47 @@ def test_requeue_resumes_from_its_checkpoint_equal_to_an_uninterrupted_run(slurm
     print(f"stop line: {stops[0][:120]}...")
     (loss1, mse1), (loss2, mse2) = _numbers(one.stdout), _numbers(text)
     print(f"dp=2 unbroken: loss {loss1} mse {mse1}; requeued at step {found.group(1)}: loss {loss2} mse {mse2}")
+    assert (loss1, mse1) == (loss2, mse2)
+
+
+# --------------------------------------------------------------------------- the time limit's warning
+
+
+def test_a_warning_before_the_time_limit_saves_and_the_example_requeues_itself(slurm, tmp_path):
+    """examples/slurm/requeue.sbatch as its header's short test: SIGUSR1 to the job's steps (what --signal=USR1@120
+    sends before the time limit) after the first checkpoint; every rank stops after one step with a checkpoint,
+    `meshwise run` exits 138, the script requeues the job, and the next run resumes there and ends with the numbers
+    of the same mesh trained without a break."""
+    epochs, checkpoints, log = "30", tmp_path / "warned", tmp_path / "warned.out"
+    path = f"{Path(PY).parent}:{os.environ.get('PATH', '')}"
+    export = f"--export=ALL,EPOCHS={epochs},CHECKPOINTS={checkpoints}"
+    out = _run(["sbatch", "--parsable", "-o", str(log), export, "examples/slurm/requeue.sbatch"], slurm, PATH=path)
+    job = out.stdout.strip().split(";")[0]
+    for _ in range(600):  # the first epoch's checkpoint
+        if (checkpoints / "latest").exists():
+            break
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    assert _run(["scancel", "--signal=USR1", job], slurm).returncode == 0
+    meshwise_run = f"{Path(PY).parent}/meshwise run --nproc-per-node 2 --mesh dp=2"
+    unbroken = f"{meshwise_run} examples/quickstart.py --epochs {epochs} --checkpoints {tmp_path / 'one'}".split()
+    one = _run(unbroken, dict(os.environ))
+    assert one.returncode == 0, one.stderr
+    while "run 1 of job" not in log.read_text() and time.monotonic() - t0 < 150:
+        time.sleep(0.2)
+    print(f"job {job} started again {time.monotonic() - t0:.1f} s after the warning")
+    _wait_jobs(slurm, [job], timeout=180)
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text
+    stops = [line for line in text.splitlines() if line.startswith("meshwise run: stopped by SIGUSR1")]
+    assert len(stops) == 1 and "saved before the time limit: requeued" in text, text
+    found = re.match(
+        rf"meshwise run: stopped by SIGUSR1 \(SLURM job {job}\) after step (\d+) \(epoch \d+, step \d+ of 8\); "
+        rf"checkpoint saved at step (\d+) in {re.escape(str(checkpoints))}\. Resume: meshwise run ",
+        stops[0],
+    )
+    assert found and found.group(1) == found.group(2) and int(found.group(1)) < 8 * int(epochs), stops[0]
+    assert text.index("run 0 of job") < text.index(stops[0]) < text.index("run 1 of job"), text
+    (loss1, mse1), (loss2, mse2) = _numbers(one.stdout), _numbers(text)
+    print(f"dp=2 unbroken: loss {loss1} mse {mse1}; warned at step {found.group(1)}: loss {loss2} mse {mse2}")
     assert (loss1, mse1) == (loss2, mse2)

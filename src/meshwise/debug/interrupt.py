@@ -1,5 +1,7 @@
-"""A clean stop on SIGINT or SIGTERM: the signal is noted, the ranks agree on one step to stop at, and the
-process ends quietly with 128 + the signal's number, as shells report an interrupted command.
+"""A clean stop on SIGINT, SIGTERM or SIGUSR1: the signal is noted, the ranks agree on one step to stop at, and the
+process ends quietly with 128 + the signal's number, as shells report an interrupted command. SIGUSR1 is the
+warning a scheduler sends before it kills a job (SLURM's ``--signal=USR1@120``): the run saves and ends with 138,
+which a batch script takes as "requeue me" (docs/cluster.md).
 
 Ctrl-C reaches ``meshwise run`` (torchrun's workers run in sessions of their own), which forwards it to every
 worker; SLURM's pre-kill signal and ``scancel`` send SIGTERM to every task. Each rank's handler only notes the
@@ -37,6 +39,7 @@ from meshwise.topology import Topology
 
 __all__ = [
     "INDEX_VARIABLE",
+    "REQUEUE_CODE",
     "STORE_PREFIX",
     "STOP_FILE",
     "agreed_step",
@@ -57,8 +60,9 @@ INDEX_VARIABLE = "MESHWISE_REPORT_INDEX"  # a folder where each rank names its r
 STORE_PREFIX = "meshwise/debug"  # every key the debug package keeps in the rendezvous store starts with it
 STOP_FILE = "stopped.json"  # in the launcher's report folder: what meshwise run prints after a stop
 _STORE_KEY = "meshwise/interrupt/stop-at"
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_REPEAT_S = 5.0  # a SIGTERM within this many seconds of the stop's is the same stop (scancel: SLURM's, torchrun's)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REQUEUE_CODE = 128 + signal.SIGUSR1  # a run stopped by the scheduler's warning: saved, to be requeued
+_REPEAT_S = 5.0  # a SIGTERM/SIGUSR1 within this many seconds of the stop's is the same stop (SLURM's, torchrun's)
 
 
 class _State:
@@ -76,13 +80,14 @@ _STATE = _State()
 
 
 def install(topo: Topology) -> None:
-    """Handle SIGINT and SIGTERM for this run, where they still have Python's default handlers (a handler the
-    program installed itself is left alone), and only from the main thread (Python's rule for handlers)."""
+    """Handle SIGINT, SIGTERM and SIGUSR1 for this run, where they still have Python's default handlers (a handler
+    the program installed itself is left alone), and only from the main thread (Python's rule for handlers)."""
     _STATE.__init__()
     _STATE.topo = topo
     if threading.current_thread() is not threading.main_thread():
         return
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    defaults[signal.SIGUSR1] = signal.SIG_DFL
     for sig in _SIGNALS:
         current = signal.getsignal(sig)
         if current is defaults[sig]:
@@ -104,7 +109,8 @@ def _handle(signum: int, frame: Any) -> None:
     if _STATE.signum is None and _STATE.loops > 0:
         _STATE.signum, _STATE.since = signum, now  # the training loop stops at the agreed step (loop_step)
         return
-    if signum == _STATE.signum == signal.SIGTERM and _STATE.since is not None and now - _STATE.since < _REPEAT_S:
+    recent = _STATE.since is not None and now - _STATE.since < _REPEAT_S
+    if signum == _STATE.signum != signal.SIGINT and recent:
         return  # the same stop told twice: SLURM signals every process of the step, and torchrun forwards its own
     # No loop to stop cleanly, or a second signal: end now, quietly. ignite logs an exception leaving a run at
     # ERROR ("Engine run is terminating due to exception"), which is noise here: the process is ending.
@@ -119,7 +125,7 @@ def received() -> int | None:
 
 
 def exit_code() -> int:
-    """128 + the signal's number (130 for SIGINT, 143 for SIGTERM), as shells report it."""
+    """128 + the signal's number (130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1: requeue), as shells report it."""
     return 128 + (_STATE.signum or signal.SIGINT)
 
 
