@@ -1,5 +1,5 @@
 """Topology-aware data: a global-cursor sampler, per-rank sample parts, replica reads, map-style and stream sources,
-and weighted mixtures of sources."""
+weighted mixtures of sources, and node-set parts of graphs."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from meshwise.data.array_loader import MeshDataLoader
 from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
+from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.mixture import mix
 from meshwise.data.packing import pack
@@ -22,6 +23,7 @@ __all__ = [
     "MeshSampleLoader",
     "MeshSampler",
     "MeshStreamLoader",
+    "NodePart",
     "Schedule",
     "Replicate",
     "Shard",
@@ -30,7 +32,10 @@ __all__ = [
     "from_placements",
     "mesh_dataloader",
     "mix",
+    "node_parts",
     "pack",
     "pad_collate",
+    "partition_nodes",
     "parts_of",
+    "read_nodes",
 ]

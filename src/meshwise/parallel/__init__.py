@@ -3,15 +3,16 @@ stages, global-norm clipping, halo exchange."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from meshwise.lazy import lazy_attributes
 
+# torch.distributed's tensor-parallel modules load only when a name is first used
 _LAZY = {
     "parallelize": "meshwise.parallel.placement",
     "clip_grad_norm": "meshwise.parallel.clipping",
     "check_data_parallel": "meshwise.parallel.data_parallel",
     "reshard": "meshwise.parallel.data_parallel",
     "halo_exchange": "meshwise.parallel.halo",
+    "node_halo_exchange": "meshwise.parallel.node_halo",
     "PipelineModel": "meshwise.parallel.stages",
     "pipeline_of": "meshwise.parallel.stages",
     "pipeline_units": "meshwise.parallel.stages",
@@ -26,8 +27,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str) -> Any:
-    # torch.distributed's tensor-parallel modules load only when a name is first used
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'meshwise.parallel' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

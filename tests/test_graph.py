@@ -1,0 +1,218 @@
+"""Node-set parts of graphs (``meshwise.data.node_parts``, ``read_nodes``) and the node halo exchange
+(``meshwise.parallel.node_halo_exchange``): partitions, k-hop halos against a breadth-first oracle, reads of only
+the owned and halo rows, refusals, and a message-passing model at dp=2 x domain=2 and domain=4 that trains to the
+parameters of one process on the whole graph (float64) with metrics on owned nodes equal to the whole graph's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from meshwise.data import node_parts, partition_nodes, read_nodes
+from meshwise.errors import DataError
+from meshwise.testing import run_distributed
+
+
+def mesh(nx: int = 9, ny: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """An unstructured 2-D triangle mesh: jittered grid points, two triangles a cell, node ids shuffled (so an id
+    says nothing of position); edges both ways. Returns (edges [2, E], coords [N, 2])."""
+    rng = np.random.default_rng(seed)
+    grid = np.array([(i, j) for i in range(nx) for j in range(ny)], dtype=np.float64)
+    perm = rng.permutation(len(grid))  # node k sits at grid point perm[k]
+    ids = np.argsort(perm)
+    pairs = set()
+    for i in range(nx - 1):
+        for j in range(ny - 1):
+            a, b, c, d = (ids[(i + di) * ny + j + dj] for di, dj in ((0, 0), (1, 0), (0, 1), (1, 1)))
+            for u, v in ((a, b), (b, c), (c, a), (b, d), (d, c)):
+                pairs |= {(int(u), int(v)), (int(v), int(u))}
+    coords = grid[perm] + rng.uniform(-0.3, 0.3, grid.shape)
+    return np.array(sorted(pairs)).T, coords
+
+
+def k_hop(edges: np.ndarray, nodes: set[int], k: int) -> set[int]:
+    """Oracle: every node with a path of at most k edges into ``nodes``, breadth first."""
+    reach, frontier = set(nodes), set(nodes)
+    for _ in range(k):
+        frontier = {int(s) for s, d in edges.T if int(d) in frontier} - reach
+        reach |= frontier
+    return reach
+
+
+# ---- in one process
+@pytest.mark.parametrize("parts, halo", [(2, 1), (3, 2), (4, 1)])
+def test_parts_are_balanced_and_their_halos_are_the_k_hop_neighbourhoods(parts, halo):
+    edges, coords = mesh()
+    n = len(coords)
+    got = node_parts(edges, n, parts, halo=halo, coords=coords)
+    assert sorted(np.concatenate([p.owned for p in got]).tolist()) == list(range(n))  # each node owned once
+    assert max(len(p.owned) for p in got) - min(len(p.owned) for p in got) <= 1
+    for p in got:
+        assert set(p.halo.tolist()) == k_hop(edges, set(p.owned.tolist()), halo) - set(p.owned.tolist())
+        assert list(p.halo_owner) == sorted(p.halo_owner)  # grouped by owner: one block per sender
+        local = p.nodes
+        inward = {(int(s), int(d)) for s, d in edges.T if int(d) in set(p.owned.tolist())}
+        assert {(int(local[s]), int(local[d])) for s, d in zip(p.src, p.dst)} == inward
+        for q in got:  # what q sends p is exactly p's halo rows owned by q, in p's order
+            sent = q.owned[q.send_index[sum(q.send_counts[: p.rank]) : sum(q.send_counts[: p.rank + 1])]]
+            assert (
+                sent.tolist() == p.halo[p.halo_owner == q.rank].tolist()
+                and q.send_counts[p.rank] == (p.recv_counts[q.rank])
+            )
+    assert node_parts(edges, n, parts, halo=halo, coords=coords) is got  # kept for the same graph and split
+
+
+def test_a_space_filling_curve_keeps_halos_small():
+    edges, coords = mesh(24, 24)
+    n = len(coords)
+    curve = sum(len(p.halo) for p in node_parts(edges, n, 4, coords=coords))
+    by_id = sum(len(p.halo) for p in node_parts(edges, n, 4))  # ids are shuffled: ranges of ids are scattered
+    assert curve < by_id / 4, (curve, by_id)
+    vector = partition_nodes(n, 4, coords=coords)
+    assert [len(p.halo) for p in node_parts(edges, n, 4, vector=vector)] == [
+        len(p.halo) for p in node_parts(edges, n, 4, coords=coords)
+    ]
+
+
+def test_each_rank_reads_only_its_nodes_and_halo_from_npy_zarr_and_hdf5(tmp_path):
+    import h5py
+    import zarr
+
+    edges, coords = mesh()
+    n = len(coords)
+    field = np.random.default_rng(1).standard_normal((n, 5, 3))
+    np.save(tmp_path / "u.npy", field)
+    z = zarr.open(str(tmp_path / "u.zarr"), mode="w", shape=field.shape, chunks=(16, 5, 3), dtype=field.dtype)
+    z[:] = field
+    with h5py.File(tmp_path / "u.h5", "w") as f:
+        f["u"] = field
+    part = node_parts(edges, n, 3, coords=coords)[1]
+    with h5py.File(tmp_path / "u.h5", "r") as f:
+        for source in (np.load(tmp_path / "u.npy", mmap_mode="r"), z, f["u"]):
+            rows, nbytes = read_nodes(source, part)
+            assert np.array_equal(rows, field[part.nodes]) and nbytes == len(part.nodes) * 5 * 3 * 8
+
+
+def test_bad_graphs_and_partitions_are_refused_with_the_fix():
+    edges, coords = mesh(4, 4)
+    with pytest.raises(DataError, match="name nodes outside 0..15"):
+        node_parts(np.concatenate([edges, [[3], [16]]], axis=1), 16, 2)
+    with pytest.raises(DataError, match="cannot divide 16 node.* over 17 split rank"):
+        node_parts(edges, 16, 17)
+    with pytest.raises(DataError, match="one integer part per node \\(16\\)"):
+        node_parts(edges, 16, 2, vector=[0, 1] * 7)
+    with pytest.raises(DataError, match="every part a node"):
+        node_parts(edges, 16, 3, vector=[0, 1] * 8)
+    with pytest.raises(DataError, match="gives split rank 0 every node of the graph"):
+        node_parts(edges, 16, 2, halo=8, coords=coords)
+    with pytest.raises(DataError, match="halo must be an int >= 0"):
+        node_parts(edges, 16, 2, halo=-1)
+
+
+# ---- training on real gloo groups
+T, G, F, H, LR, STEPS = 13, 4, 2, 6, 0.05, 3  # time steps, global batch, features, width, lr, steps
+
+
+class MessagePassing(nn.Module):
+    """Two message-passing layers over in-edges (sum of messages), on a rank's part: the first reads the loaded halo,
+    the second gets its halo from the node halo exchange. On one process the part is the whole graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.msg = nn.Linear(F, H), nn.Linear(H, H)
+        self.upd, self.dec = nn.Linear(2 * H, H), nn.Linear(H, F)
+        self.double()
+
+    def place(self, part, exchange) -> None:
+        self.part, self.exchange = part, exchange
+        self.src, self.dst = torch.from_numpy(part.src), torch.from_numpy(part.dst)
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        owned = len(self.part.owned)
+        m = h.new_zeros(h.shape[0], owned, H).index_add(1, self.dst, self.msg(h)[:, self.src])
+        return torch.tanh(self.upd(torch.cat([h[:, :owned], m], dim=-1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layer(torch.tanh(self.enc(x)))  # x: owned + loaded halo rows
+        return self.dec(self.layer(self.exchange(h)))
+
+
+def _data() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    edges, coords = mesh()
+    t = np.arange(T)[None, :, None]
+    u = np.sin(coords[:, None, :1] * 0.7 + 0.3 * t) * np.cos(coords[:, None, 1:] * 0.5 - 0.2 * t)
+    return edges, coords, np.concatenate([u, u**2], axis=-1)  # node-major [N, T, F]
+
+
+def _batches(rows: np.ndarray, owned: int, data_rank: int, data_size: int) -> list[dict]:
+    """Samples t -> t + 1, G a step, this data rank's share of each global batch."""
+    local = G // data_size
+    out = []
+    for step in range(STEPS):
+        ts = [step * G + data_rank * local + i for i in range(local)]
+        x = torch.from_numpy(np.stack([rows[:, t] for t in ts]))
+        target = x.new_tensor(np.stack([rows[:owned, t + 1] for t in ts]))
+        out.append({"input": x, "target": target, "index": torch.tensor(ts)})  # the samples' ids: split ranks agree
+    return out
+
+
+def _train(topo, dim: str | None):
+    from torchmetrics import MeanSquaredError
+
+    import meshwise
+    from meshwise.metrics import MeshMetric
+    from meshwise.parallel import node_halo_exchange
+
+    edges, coords, field = _data()
+    size = topo.size(dim) if dim else 1
+    part = node_parts(edges, len(coords), size, coords=coords)[topo.coordinate(dim) if dim else 0]
+    rows, nbytes = read_nodes(field, part)  # owned + 1-hop halo rows only
+    model = MessagePassing()
+    model.place(part, (lambda h: node_halo_exchange(h, part, topo, dim, axis=1)) if dim else (lambda h: h))
+    model = meshwise.parallelize(model, topo, dp="replicate")
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    trainer = meshwise.create_trainer(model, opt, nn.functional.mse_loss, topo, loss_weight="tokens")
+    trainer.run(_batches(rows, len(part.owned), topo.data_rank, topo.data_size), max_epochs=1)
+    mse = MeshMetric(MeanSquaredError().set_dtype(torch.float64), topo)
+    with torch.no_grad():
+        for b in _batches(rows, len(part.owned), topo.data_rank, topo.data_size):
+            mse.update(model(b["input"]), b["target"])
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    params = {k: v.detach().clone() for k, v in full.items()}
+    return {"params": params, "mse": float(mse.compute()), "bytes": nbytes, "nodes": len(part.nodes)}
+
+
+def _on_the_mesh() -> dict:
+    import meshwise
+
+    out = {}
+    topo = meshwise.init({"dp": 2, "domain": 2}, timeout=60)
+    out["dp2domain2"] = _train(topo, "domain")
+    meshwise.shutdown()
+    topo = meshwise.init({"domain": 4}, timeout=60)
+    out["domain4"] = _train(topo, "domain")
+    meshwise.shutdown()
+    return out
+
+
+def test_a_graph_model_at_dp2_domain2_and_domain4_trains_like_one_process():
+    import meshwise
+
+    res = run_distributed(_on_the_mesh, 4, timeout=240)
+    topo = meshwise.init({"dp": 1})  # the whole graph in this process
+    try:
+        one = _train(topo, None)
+    finally:
+        meshwise.shutdown()
+    _, _, field = _data()
+    for mesh_name in ("dp2domain2", "domain4"):
+        for r in res:
+            got = r[mesh_name]
+            worst = max(float((got["params"][k] - one["params"][k]).abs().max()) for k in one["params"])
+            assert worst <= 1e-12, (mesh_name, worst)
+            assert abs(got["mse"] - one["mse"]) <= 1e-12 * max(1.0, one["mse"])
+            assert got["bytes"] == got["nodes"] * T * F * 8 < field.nbytes  # its rows only
