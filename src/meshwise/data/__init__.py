@@ -7,7 +7,7 @@ from meshwise.data.array_loader import MeshDataLoader
 from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
-from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes
+from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes, reorder_nodes
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.mixture import mix
 from meshwise.data.packing import pack
@@ -38,4 +38,5 @@ __all__ = [
     "partition_nodes",
     "parts_of",
     "read_nodes",
+    "reorder_nodes",
 ]

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from meshwise.data.sources import chunk_bytes
 from meshwise.errors import DataError
 
-__all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes"]
+__all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes", "reorder_nodes"]
 
 _CACHE: dict[tuple, list[NodePart]] = {}
 _CACHE_SIZE = 8
@@ -198,12 +201,95 @@ def _digest(e: np.ndarray, coords: Any, vector: Any) -> str:
     return h.hexdigest()
 
 
+_LONG_RUN = 256  # consecutive rows read as one slice; shorter runs go into one indexed read
+
+
 def read_nodes(source: Any, part: NodePart) -> tuple[np.ndarray, int]:
     """Rows ``part.nodes`` (owned, then halo) of a node field: a numpy array or memmap (``.npy``), a Zarr or HDF5
-    array, shape ``[num_nodes, ...]``; only those rows are read. Returns the rows and the bytes read."""
+    array, shape ``[num_nodes, ...]``; only those rows are read, long runs of consecutive rows as slices (after
+    :func:`reorder_nodes` a part is a few runs). Returns the rows and the bytes read: of the rows, or for a chunked
+    store (Zarr, chunked HDF5) of every chunk touched, which is read whole."""
     nodes = part.nodes
-    order = np.argsort(nodes, kind="stable")  # increasing ids: runs of a reordered file read contiguously
-    rows = np.asarray(source[nodes[order]]) if not hasattr(source, "oindex") else source.oindex[nodes[order]]
-    out = np.empty_like(rows)
-    out[order] = rows
+    order = np.argsort(nodes, kind="stable")
+    ids = nodes[order]
+    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts, ends = np.r_[0, cuts], np.r_[cuts, len(ids)]
+    long = (ends - starts) >= _LONG_RUN
+    shape = tuple(source.shape)
+    out = np.empty((len(ids), *shape[1:]), dtype=np.dtype(source.dtype))
+    short = np.ones(len(ids), dtype=bool)
+    for a, b in zip(starts[long], ends[long]):
+        rows = source[int(ids[a]) : int(ids[b - 1]) + 1]
+        at = order[a:b]  # where the run's rows go in ``out``: one block for a reordered part's owned rows
+        if at[-1] - at[0] == b - a - 1 and bool(np.all(np.diff(at) == 1)):
+            out[at[0] : at[-1] + 1] = rows
+        else:
+            out[at] = rows
+        short[a:b] = False
+    if short.any():
+        pick = ids[short]
+        out[order[short]] = source.oindex[pick] if hasattr(source, "oindex") else source[pick]
+    chunks = getattr(source, "chunks", None)
+    if chunks:
+        region = [slice(0, n) for n in shape[1:]]
+        return out, chunk_bytes(shape, chunks, ids, region, out.dtype.itemsize)
     return out, int(out.nbytes)
+
+
+def _runs(ids: np.ndarray) -> int:
+    """How many runs of consecutive ids a read of ``ids`` takes (one seek each, in a file in id order)."""
+    s = np.sort(ids)
+    return int(len(s) > 0) + int(np.count_nonzero(np.diff(s) != 1))
+
+
+def reorder_nodes(
+    folder: str | os.PathLike[str],
+    edges: Any,
+    fields: dict[str, Any],
+    parts: int,
+    *,
+    coords: Any = None,
+    vector: Sequence[int] | np.ndarray | None = None,
+    halo: int = 1,
+) -> dict[str, Any]:
+    """Rewrite a graph dataset in partition order, once, so that each part's nodes are one contiguous range.
+
+    Writes ``folder/<name>.npy`` for every node field (``[num_nodes, ...]``, rows permuted), ``edges.npy``
+    (renumbered), ``coords.npy`` (when given) and ``order.npy`` (new id -> old id). Nodes go part by part (the
+    partition of :func:`partition_nodes`); afterwards the same partition is ``node_parts(edges, n, parts)`` (ranges
+    of ids) for the balanced ones (``coords`` or none), else ``vector=old_vector[order]``. Within a part the nodes
+    no other part reads come first, then the ones others read, grouped by reader (along the Morton curve within a
+    group), so a part's halo is a few runs of rows: a few chunks of a chunked store. Returns the runs of consecutive
+    rows each part's reads (owned + halo) take before and after, which is what the rewrite saves. A ``folder`` that
+    holds anything is refused: nothing is overwritten.
+    """
+    out = Path(folder)
+    if out.exists() and any(out.iterdir()):
+        raise DataError(f"{out} already holds files: reorder_nodes writes a new dataset; give an empty or new folder")
+    num_nodes = len(next(iter(fields.values()))) if fields else int(np.max(np.asarray(edges))) + 1
+    e = _check_edges(edges, num_nodes)
+    for name, field in fields.items():
+        if len(field) != num_nodes:
+            raise DataError(f"node field {name!r} has {len(field)} rows for {num_nodes} nodes: one row per node")
+    owner = partition_nodes(num_nodes, parts, coords=coords, vector=vector)
+    curve = _morton(coords) if coords is not None else np.arange(num_nodes, dtype=np.uint64)
+    old = node_parts(e, num_nodes, parts, halo=halo, coords=coords, vector=vector)
+    # within a part: the nodes no other part reads first, then those others read, grouped by which parts read them,
+    # so each part's halo is a few runs of its neighbours' rows (a few chunks, not one chunk a halo node)
+    readers = np.zeros(num_nodes, dtype=np.int64)
+    for p in old:
+        np.bitwise_or.at(readers, p.halo, np.int64(1) << (p.rank % 62))
+    order = np.lexsort((curve, readers, owner))
+    new_id = np.empty(num_nodes, dtype=np.int64)
+    new_id[order] = np.arange(num_nodes)
+    before = [_runs(p.nodes) for p in old]
+    renumbered = new_id[e]
+    after = [_runs(p.nodes) for p in node_parts(renumbered, num_nodes, parts, halo=halo, vector=owner[order])]
+    out.mkdir(parents=True, exist_ok=True)
+    for name, field in fields.items():
+        np.save(out / f"{name}.npy", np.asarray(field)[order])
+    np.save(out / "edges.npy", renumbered)
+    np.save(out / "order.npy", order)
+    if coords is not None:
+        np.save(out / "coords.npy", np.asarray(coords)[order])
+    return {"order": order, "runs_before": before, "runs_after": after}
