@@ -260,3 +260,19 @@ def test_the_example_stopped_at_dp2_domain2_and_resumed_at_domain4_equals_one_pr
     assert a["step"] == b["step"] == 8
     assert max(abs(x - y) for x, y in zip(a["weights"], b["weights"])) <= 1e-12
     assert a["bytes"] < b["bytes"] / 2  # a quarter of the nodes and their halo, against the whole field
+
+
+def test_a_node_list_on_the_sphere_splits_into_balanced_uneven_parts():
+    """A weather-style grid: points on the sphere as one 1-D node list (a Fibonacci lattice, 3-D positions), edges to
+    each point's 6 nearest; 5 parts of 1,001 nodes (sizes 200 or 201) along the 3-D Morton curve keep halos small."""
+    n, parts = 1001, 5
+    k = np.arange(n) + 0.5
+    lat, lon = np.arcsin(1 - 2 * k / n), np.pi * (1 + 5**0.5) * k
+    xyz = np.stack([np.cos(lat) * np.cos(lon), np.cos(lat) * np.sin(lon), np.sin(lat)], axis=1)
+    near = np.argsort(((xyz[:, None] - xyz[None]) ** 2).sum(-1), axis=1)[:, 1:7]
+    edges = np.stack([near.ravel(), np.repeat(np.arange(n), 6)])  # messages from the 6 nearest into each point
+    got = node_parts(edges, n, parts, coords=xyz)
+    assert sorted(len(p.owned) for p in got) == [200, 200, 200, 200, 201]
+    assert max(p.halo_share for p in got) < 0.6  # a ring around each 200-node cap, not the sphere
+    scattered = node_parts(edges, n, parts, vector=np.random.default_rng(0).permutation(np.arange(n) % parts))
+    assert min(p.halo_share for p in scattered) > 3 * max(p.halo_share for p in got)
