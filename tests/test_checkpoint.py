@@ -555,17 +555,17 @@ def _async_save_equals_sync_save(topo, root: str, hidden: int) -> dict:
     first.wait()
     diffs, same_files = {}, {}
     for name, ck, steps in (("async", background, (1, 2, 3)), ("stage-first", first, (1, 4))):
-        for k in steps:
+        for k in steps:  # every step's loaded state (the shard bytes are reported: concurrent writes can differ there)
             shards = sorted(p.name for p in sync.step_path(k).glob("*.distcp"))
             same_files[f"{name}-{k}"] = bool(shards) and all(
                 (sync.step_path(k) / s).read_bytes() == (ck.step_path(k) / s).read_bytes() for s in shards
             )
-        want, want_opt = cc.build(topo, hidden=hidden)  # and the state loaded from the last one
-        got, got_opt = cc.build(topo, hidden=hidden)
-        sync.load(k, model=want, optimizer=want_opt, restore_rng=False)
-        ck.load(k, model=got, optimizer=got_opt, restore_rng=False)
-        a, b = cc.full_state(want, want_opt), cc.full_state(got, got_opt)
-        diffs[f"{name}-{k}"] = (sorted(a) == sorted(b), cc.max_diff(a, b))
+            want, want_opt = cc.build(topo, hidden=hidden)
+            got, got_opt = cc.build(topo, hidden=hidden)
+            sync.load(k, model=want, optimizer=want_opt, restore_rng=False)
+            ck.load(k, model=got, optimizer=got_opt, restore_rng=False)
+            a, b = cc.full_state(want, want_opt), cc.full_state(got, got_opt)
+            diffs[f"{name}-{k}"] = (sorted(a) == sorted(b), cc.max_diff(a, b))
     for ck in (sync, background, first):
         ck.close()
     return {"diffs": diffs, "same_files": same_files}
@@ -575,8 +575,11 @@ ASYNC_HIDDEN = 2**16  # ~12 MiB of model + Adam state: a copy long enough for th
 
 
 def _check_async_equals_sync(out: dict) -> None:
-    assert out["diffs"] == {"async-3": (True, 0.0), "stage-first-4": (True, 0.0)}
-    assert out["same_files"] == {k: True for k in ("async-1", "async-2", "async-3", "stage-first-1", "stage-first-4")}
+    # Every checkpoint loads the state of the sync save of its step, bit for bit, although the optimizer stepped right
+    # after each async save() returned. The shard files are byte-equal on a quiet machine, but on a loaded one the
+    # writes of two checkpointers at once can lay the zip records out otherwise (the same values): not asserted.
+    steps = ("async-1", "async-2", "async-3", "stage-first-1", "stage-first-4")
+    assert out["diffs"] == {k: (True, 0.0) for k in steps}, (out["diffs"], out["same_files"])
 
 
 @pytest.mark.timeout(120)
