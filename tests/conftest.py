@@ -16,27 +16,6 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     torch.set_num_threads(1)
 
 
-# The files that cost most (docs/dev/test-durations.md), slowest first: the workers take files in collection order, so
-# started first the long files do not end the run alone on one worker while the other idles. Others keep their order.
-SLOW_FIRST = (
-    "test_gpt_demo.py",
-    "test_first_hour.py",
-    "test_multinode.py",
-    "test_checkpoint.py",
-    "test_dryrun.py",
-    "test_debug.py",
-    "test_precision.py",
-    "test_topology.py",
-    "test_loader_reiterate.py",
-    "test_megatron.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    order = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(SLOW_FIRST)))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield
