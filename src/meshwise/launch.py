@@ -29,6 +29,7 @@ from meshwise.environment import (
 )
 from meshwise.errors import MeshwiseError, TopologyError
 from meshwise.layout import Layout
+from meshwise.run_end import failure_story, stop_signal, stopped
 
 # The command line imports the layers a command needs inside that command (the imports inside functions below):
 # `meshwise run` must start torchrun without loading torch.distributed, the engine or matplotlib first.
@@ -185,19 +186,15 @@ def _run(argv: Sequence[str]) -> int:
         if hosted is not None:
             hosted.finish()
     except SignalException as exc:
-        return _stopped(index, int(exc.sigval), command)
+        return stopped(index, int(exc.sigval), command)
     except KeyboardInterrupt:  # before torchrun took over the signals
-        return _stopped(index, signal.SIGINT, command)
+        return stopped(index, signal.SIGINT, command)
     except ChildFailedError as exc:
         if hosted is not None:
             hosted.finish()
-        stop = _stop_record(index)
-        codes = {f.exitcode for f in exc.failures.values()}
-        stops = {s: {128 + s, -s} for s in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}  # the first found wins
-        if stop is not None or codes <= set().union(*stops.values()):
-            # the ranks got the signal directly (scancel, srun, --signal) and stopped: not a failure
-            sig = (stop or {}).get("signal") or next(s for s, ended in stops.items() if codes & ended)
-            return _stopped(index, int(sig), command)
+        sig = stop_signal(index, {f.exitcode for f in exc.failures.values()})
+        if sig is not None:  # the ranks got the signal directly (scancel, srun, --signal) and stopped
+            return stopped(index, sig, command)
         print(failure_story(exc, index), file=sys.stderr, flush=True)
         return 1
     finally:
@@ -260,87 +257,6 @@ def _script_problem(args: argparse.Namespace) -> str | None:
     except (OSError, ValueError) as exc:
         return f"cannot read script {script!r}: {exc}"
     return None
-
-
-def _stop_record(index: str | os.PathLike[str]) -> dict | None:
-    from meshwise.debug.interrupt import STOP_FILE
-
-    try:
-        return json.loads(Path(index, STOP_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _stopped(index: str | os.PathLike[str], sig: int, command: str) -> int:
-    """A run stopped by a signal: one line (which signal, which SLURM job, where it stopped, how to resume), exit
-    code 128 + the signal. Later signals are ignored meanwhile (torchrun's handler would raise a traceback)."""
-    from meshwise.debug.interrupt import slurm_job_note, stop_line
-
-    for each in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(each, signal.SIG_IGN)
-    record = _stop_record(index)
-    if record is None:
-        name = signal.Signals(sig).name + slurm_job_note()
-        line = f"meshwise run: stopped by {name} before a training step ended; run again: {command}"
-    else:
-        line = stop_line(record, command, "meshwise run")
-    print(line, file=sys.stderr, flush=True)
-    return 128 + sig
-
-
-def failure_story(exc: Exception, index: str) -> str:
-    """The last lines of a failed run: which ranks failed, where their reports are, then the first root cause
-    (which rank, where, its error and message: meshwise's messages end with the fix)."""
-    from meshwise.debug.crash import compact, left_reports, read_failures, summary
-
-    failures = dict(getattr(exc, "failures", {}))  # global rank -> torchrun's ProcessFailure
-    records = read_failures(index)
-    reports = left_reports(index)
-    for path, _ in reports.values():
-        compact(path)
-    first_rank = min(failures, key=lambda r: failures[r].timestamp) if failures else None
-    roots = sorted((r for r in records.values() if not r["collective"]), key=lambda r: r["time"])
-    silent = [r for r in failures if r not in records]  # ended without a Python exception meshwise saw
-    if roots:
-        root: dict | None = roots[0]
-    elif silent:
-        root = None
-        first_rank = first_rank if first_rank in silent else silent[0]
-    else:
-        root = min(records.values(), key=lambda r: r["time"]) if records else None
-
-    lines = []
-    ranks = sorted(set(failures) | set(records))
-    folders = sorted({str(Path(p).parent) for p, _ in reports.values()})
-    head = f"meshwise run: {len(ranks)} rank(s) failed ({', '.join(map(str, ranks))})"
-    if folders:
-        head += f"; each one's report (last collectives, traceback): {', '.join(folders)}"
-    lines.append(head)
-    if root is not None:
-        others = sorted(r for r, rec in records.items() if r != root["rank"])
-        same = [r for r in others if (records[r]["type"], records[r]["message"]) == (root["type"], root["message"])]
-        after = [r for r in others if r not in same]
-        if same:
-            lines.append(f"meshwise run: ranks {', '.join(map(str, same))} failed with the same error")
-        if after:
-            kinds = sorted({records[r]["type"] for r in after})
-            lines.append(f"meshwise run: ranks {', '.join(map(str, after))} failed after it ({', '.join(kinds)})")
-        where = f" at {root['site']}" if root.get("site") else ""
-        lines.append(f"meshwise run: the first error, on {root['label']}{where}:")
-        lines.append(f"{root['type']}: {root['message']}")
-    elif first_rank is not None:
-        failure = failures[first_rank]
-        how = (
-            f"was killed by {failure.signal_name()}"
-            if failure.exitcode < 0
-            else f"exited with code {failure.exitcode} without a Python exception meshwise saw (an error before "
-            "meshwise.init, or sys.exit): its own output above says why"
-        )
-        report = reports.get(first_rank)
-        if report is not None:
-            how += f" ({summary(report[1])}; report {report[0]})"
-        lines.append(f"meshwise run: the first failure: rank {first_rank} {how}")
-    return "\n".join(lines)
 
 
 def _launcher_tokens(argv: Sequence[str]) -> list[str]:
