@@ -225,48 +225,56 @@ def test_both_gpt_examples_run_as_documented_on_cpus_equal_to_one_process(slurm,
 # --------------------------------------------------------------------------- scontrol requeue
 
 
+def _stopped_and_resumed(slurm: dict, tmp_path: Path, job: str, checkpoints: Path, log: Path, stop: list, sig: str):
+    """After the job's first checkpoint, ``stop`` it; while it waits to start again, train the same dp=2 mesh without
+    a break. Then: every rank stopped after one step with a checkpoint and one ``stopped by SIG`` line, the job ran
+    again (``run 1``), resumed there and ended with the unbroken run's numbers."""
+    for _ in range(600):  # the first epoch's checkpoint
+        if (checkpoints / "latest").exists():
+            break
+        time.sleep(0.1)
+    t0 = time.monotonic()
+    assert _run([*stop, job], slurm).returncode == 0
+    meshwise_run = f"{Path(PY).parent}/meshwise run --nproc-per-node 2 --mesh dp=2"
+    unbroken = f"{meshwise_run} examples/quickstart.py --epochs 30 --checkpoints {tmp_path / 'one'}".split()
+    one = _run(unbroken, dict(os.environ))
+    assert one.returncode == 0, one.stderr
+    while "run 1" not in log.read_text() and time.monotonic() - t0 < 150:
+        time.sleep(0.2)
+    print(f"job {job} started again {time.monotonic() - t0:.1f} s after {' '.join(stop)}")
+    _wait_jobs(slurm, [job], timeout=180)
+    print(f"job {job} finished {time.monotonic() - t0:.1f} s after {' '.join(stop)}")
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text
+    stops = [line for line in text.splitlines() if line.startswith(f"meshwise run: stopped by {sig}")]
+    assert len(stops) == 1, text
+    found = re.match(
+        rf"meshwise run: stopped by {sig} \(SLURM job {job}\) after step (\d+) \(epoch \d+, step \d+ of 8\); "
+        rf"checkpoint saved at step (\d+) in {re.escape(str(checkpoints))}\. Resume: meshwise run ",
+        stops[0],
+    )
+    assert found and found.group(1) == found.group(2) and int(found.group(1)) < 8 * 30, stops[0]
+    assert text.index("run 0") < text.index(stops[0]) < text.index("run 1"), text  # SLURM_RESTART_COUNT=1 after
+    print(f"stop line: {stops[0][:120]}...")
+    (loss1, mse1), (loss2, mse2) = _numbers(one.stdout), _numbers(text)
+    print(f"dp=2 unbroken: loss {loss1} mse {mse1}; stopped at step {found.group(1)}: loss {loss2} mse {mse2}")
+    assert (loss1, mse1) == (loss2, mse2)
+    return text
+
+
 def test_requeue_resumes_from_its_checkpoint_equal_to_an_uninterrupted_run(slurm, tmp_path):
     """A training job under meshwise run, submitted with --requeue, is requeued after its first checkpoint: every rank
     stops after one step with a checkpoint and one line, and the requeued run resumes there and ends with the numbers
     of the same mesh trained without a break (run while the requeued job waits for its begin time). Not one process:
     dp=2 sums its float32 gradients in another order, and the last printed digit then depends on the CPU (0.021692
     against 0.021693 on an AMD EPYC); a resume on the same mesh is exact."""
-    epochs, checkpoints, log = "30", tmp_path / "requeued", tmp_path / "requeue.out"
+    checkpoints, log = tmp_path / "requeued", tmp_path / "requeue.out"
     meshwise_run = f"{Path(PY).parent}/meshwise run --nproc-per-node 2 --mesh dp=2"
-    wrap = f'echo "run ${{SLURM_RESTART_COUNT:-0}}"; srun {meshwise_run} examples/quickstart.py --epochs {epochs} '
+    wrap = f'echo "run ${{SLURM_RESTART_COUNT:-0}}"; srun {meshwise_run} examples/quickstart.py --epochs 30 '
     wrap += f"--checkpoints {checkpoints}"
     options = ["--parsable", "--requeue", "--open-mode=append", "-N", "1", "-n", "1", "-c", "2", "-o", str(log)]
-    out = _run(["sbatch", *options, "--wrap", wrap], slurm)
-    job = out.stdout.strip().split(";")[0]
-    for _ in range(600):  # the first epoch's checkpoint
-        if (checkpoints / "latest").exists():
-            break
-        time.sleep(0.1)
-    t0 = time.monotonic()
-    assert _run(["scontrol", "requeue", job], slurm).returncode == 0
-    unbroken = f"{meshwise_run} examples/quickstart.py --epochs {epochs} --checkpoints {tmp_path / 'one'}".split()
-    one = _run(unbroken, dict(os.environ))
-    assert one.returncode == 0, one.stderr
-    while "run 1" not in log.read_text() and time.monotonic() - t0 < 120:
-        time.sleep(0.2)
-    print(f"requeued job {job} started again {time.monotonic() - t0:.1f} s after scontrol requeue")
-    _wait_jobs(slurm, [job], timeout=180)
-    print(f"requeued job {job} finished {time.monotonic() - t0:.1f} s after scontrol requeue")
-    text = log.read_text()
-    assert "Traceback" not in text and "SignalException" not in text, text
-    stops = [line for line in text.splitlines() if line.startswith("meshwise run: stopped by SIGTERM")]
-    assert len(stops) == 1, text
-    found = re.match(
-        rf"meshwise run: stopped by SIGTERM \(SLURM job {job}\) after step (\d+) \(epoch \d+, step \d+ of 8\); "
-        rf"checkpoint saved at step (\d+) in {re.escape(str(checkpoints))}\. Resume: meshwise run ",
-        stops[0],
-    )
-    assert found and found.group(1) == found.group(2) and int(found.group(1)) < 8 * int(epochs), stops[0]
-    assert text.index("run 0") < text.index(stops[0]) < text.index("run 1"), text  # SLURM_RESTART_COUNT=1 after
-    print(f"stop line: {stops[0][:120]}...")
-    (loss1, mse1), (loss2, mse2) = _numbers(one.stdout), _numbers(text)
-    print(f"dp=2 unbroken: loss {loss1} mse {mse1}; requeued at step {found.group(1)}: loss {loss2} mse {mse2}")
-    assert (loss1, mse1) == (loss2, mse2)
+    job = _run(["sbatch", *options, "--wrap", wrap], slurm).stdout.strip().split(";")[0]
+    _stopped_and_resumed(slurm, tmp_path, job, checkpoints, log, ["scontrol", "requeue"], "SIGTERM")
 
 
 # --------------------------------------------------------------------------- the time limit's warning
@@ -277,36 +285,10 @@ def test_a_warning_before_the_time_limit_saves_and_the_example_requeues_itself(s
     sends before the time limit) after the first checkpoint; every rank stops after one step with a checkpoint,
     `meshwise run` exits 138, the script requeues the job, and the next run resumes there and ends with the numbers
     of the same mesh trained without a break."""
-    epochs, checkpoints, log = "30", tmp_path / "warned", tmp_path / "warned.out"
+    checkpoints, log = tmp_path / "warned", tmp_path / "warned.out"
     path = f"{Path(PY).parent}:{os.environ.get('PATH', '')}"
-    export = f"--export=ALL,EPOCHS={epochs},CHECKPOINTS={checkpoints}"
+    export = f"--export=ALL,EPOCHS=30,CHECKPOINTS={checkpoints}"
     out = _run(["sbatch", "--parsable", "-o", str(log), export, "examples/slurm/requeue.sbatch"], slurm, PATH=path)
     job = out.stdout.strip().split(";")[0]
-    for _ in range(600):  # the first epoch's checkpoint
-        if (checkpoints / "latest").exists():
-            break
-        time.sleep(0.1)
-    t0 = time.monotonic()
-    assert _run(["scancel", "--signal=USR1", job], slurm).returncode == 0
-    meshwise_run = f"{Path(PY).parent}/meshwise run --nproc-per-node 2 --mesh dp=2"
-    unbroken = f"{meshwise_run} examples/quickstart.py --epochs {epochs} --checkpoints {tmp_path / 'one'}".split()
-    one = _run(unbroken, dict(os.environ))
-    assert one.returncode == 0, one.stderr
-    while "run 1 of job" not in log.read_text() and time.monotonic() - t0 < 150:
-        time.sleep(0.2)
-    print(f"job {job} started again {time.monotonic() - t0:.1f} s after the warning")
-    _wait_jobs(slurm, [job], timeout=180)
-    text = log.read_text()
-    assert "Traceback" not in text and "SignalException" not in text, text
-    stops = [line for line in text.splitlines() if line.startswith("meshwise run: stopped by SIGUSR1")]
-    assert len(stops) == 1 and "saved before the time limit: requeued" in text, text
-    found = re.match(
-        rf"meshwise run: stopped by SIGUSR1 \(SLURM job {job}\) after step (\d+) \(epoch \d+, step \d+ of 8\); "
-        rf"checkpoint saved at step (\d+) in {re.escape(str(checkpoints))}\. Resume: meshwise run ",
-        stops[0],
-    )
-    assert found and found.group(1) == found.group(2) and int(found.group(1)) < 8 * int(epochs), stops[0]
-    assert text.index("run 0 of job") < text.index(stops[0]) < text.index("run 1 of job"), text
-    (loss1, mse1), (loss2, mse2) = _numbers(one.stdout), _numbers(text)
-    print(f"dp=2 unbroken: loss {loss1} mse {mse1}; warned at step {found.group(1)}: loss {loss2} mse {mse2}")
-    assert (loss1, mse1) == (loss2, mse2)
+    text = _stopped_and_resumed(slurm, tmp_path, job, checkpoints, log, ["scancel", "--signal=USR1"], "SIGUSR1")
+    assert "saved before the time limit: requeued" in text and "run 1 of job" in text, text

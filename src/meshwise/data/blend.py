@@ -187,6 +187,15 @@ class Weights:
         out[~inside] = self.cumulative(x[~inside]) - self.cumulative(np.array([anchor], dtype=np.int64))[0]
         return out
 
+    def check_reach(self, x: int) -> None:
+        """Refuse a step that would reach sample ``x`` of the run past a linear Schedule's end (the order is planned
+        past it as held there; no batch from there is handed out)."""
+        if self.end is not None and x > self.end:
+            raise DataError(
+                f"the mixture's linear Schedule ends at sample {self.end}, and this step would reach sample {x}: add "
+                "a point at or after the run's end (or use interpolate='constant', whose last weights hold)"
+            )
+
     def at_sample(self, x: int) -> dict[str, float]:
         """The weights in force at sample ``x`` (for logs and the dry run)."""
         k = int(np.searchsorted(self.at, x, side="right") - 1)
@@ -412,13 +421,7 @@ class MixtureSampler(MeshSampler):
         refused here, before it is handed out (the plan of an epoch may run past a Schedule that the run does
         not outlive)."""
         rest, b = self._order_from_cursor(), self.global_batch_size
-        end = self.weights().end
-        if end is not None and self.total + b > end:
-            raise DataError(
-                f"the mixture's linear Schedule ends at sample {end}, and this step would reach sample "
-                f"{self.total + b}: add a point at or after the run's end (or use interpolate='constant', whose "
-                "last weights hold)"
-            )
+        self.weights().check_reach(self.total + b)
         i = self.consumed - rest.start
         self.counts += np.bincount(rest.sources[i : i + b], minlength=len(self.counts))
         self.consumed += b

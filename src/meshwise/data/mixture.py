@@ -157,7 +157,7 @@ def mix(
             "index): wrap the others as IterableDatasets, or load the streams map-style"
         )
     if streams:  # a stream's passes differ in length anyway: 'stop' with a Schedule is fine there
-        _check_schedule(weights, names, "repeat")
+        _check_weights(weights, names)
         return StreamMixture(sources, weights, seed=int(seed), exhausted=exhausted, epoch_samples=epoch_samples)
     arrays = {n: ds for n, ds in sources.items() if isinstance(ds, (ArrayDataset, Mapping))}
     if arrays and len(arrays) != len(sources):
@@ -175,18 +175,18 @@ def mix(
     empty = [n for n, length in zip(names, lengths) if length < 1]
     if empty:
         raise DataError(f"mixture sources {empty} have no samples: drop them from the mixture")
-    _check_schedule(weights, names, exhausted)
-    blend = Blend(names, lengths, weights, int(seed), exhausted, int(epoch_samples or sum(lengths)))
-    return ArrayMixture(sources, blend) if arrays else SampleMixture(sources, blend)
-
-
-def _check_schedule(weights: Mapping[str, float] | Schedule, names: Sequence[str], exhausted: str) -> None:
-    if not isinstance(weights, Schedule):
-        check_weights(weights, names, "mix()")
-        return
-    weights.check(names)
-    if exhausted == "stop" and len(weights.points) > 1:
+    _check_weights(weights, names)
+    if exhausted == "stop" and isinstance(weights, Schedule) and len(weights.points) > 1:
         raise DataError(
             "exhausted='stop' with a Schedule gives epochs of different lengths (each ends when a source runs "
             "out, which depends on the weights), and an ignite run has one epoch_length: use 'repeat' or 'drop'"
         )
+    blend = Blend(names, lengths, weights, int(seed), exhausted, int(epoch_samples or sum(lengths)))
+    return ArrayMixture(sources, blend) if arrays else SampleMixture(sources, blend)
+
+
+def _check_weights(weights: Mapping[str, float] | Schedule, names: Sequence[str]) -> None:
+    if isinstance(weights, Schedule):
+        weights.check(names)
+    else:
+        check_weights(weights, names, "mix()")

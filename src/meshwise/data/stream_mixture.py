@@ -71,15 +71,20 @@ class StreamMixture(torch.utils.data.IterableDataset):
         self.total, self.counts = 0, np.zeros(len(self.names), dtype=np.int64)
         self.anchor, self.anchor_counts = 0, self.counts.copy()
         self._at: tuple[int, np.ndarray] = (0, self.counts.copy())  # the last position() asked, to go on from
+        self._weights: Weights | None = None
 
     # ---- the order
     def bind(self, global_batch_size: int) -> None:
         """The loader's global batch (a Schedule in ``"steps"`` counts them)."""
         self.global_batch_size = int(global_batch_size)
+        self._weights = None
         self.weights()  # a Schedule that does not fit the sources is refused when the loader is built
 
     def weights(self) -> Weights:
-        return Weights(self.names, self.spec, self.global_batch_size, np.ones(len(self.names)))
+        """The weights over the run (built once a global batch size: they are asked for every step)."""
+        if self._weights is None:
+            self._weights = Weights(self.names, self.spec, self.global_batch_size, np.ones(len(self.names)))
+        return self._weights
 
     def _order(self, start: int, counts: np.ndarray) -> Iterator[int]:
         """Which source each sample of the pass comes from, from pass sample ``start`` with ``counts``."""
@@ -89,13 +94,7 @@ class StreamMixture(torch.utils.data.IterableDataset):
 
     def check_step(self, samples: int) -> None:
         """Refuse a step that would reach past a linear Schedule's end (``samples``: of this pass after the step)."""
-        end = self.weights().end
-        if end is not None and self.total + samples > end:
-            raise DataError(
-                f"the stream mixture's linear Schedule ends at sample {end}, and this step would reach sample "
-                f"{self.total + samples}: add a point at or after the run's end (or use interpolate='constant', "
-                "whose last weights hold)"
-            )
+        self.weights().check_reach(self.total + samples)
 
     def position(self, samples: int) -> dict[str, Any]:
         """The mixture's position after ``samples`` samples of this pass (what the loader saves)."""
