@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from meshwise.elastic import prepare_elastic, serve_store
 from meshwise.environment import (
     DRY_RUN_VARIABLE,
     DryRunSpec,
@@ -57,7 +58,9 @@ meshwise options:
 
 _MULTI_NODE_HELP = """\
 several nodes (run the same command on every node; docs/cluster.md, "meshwise run"):
-  --nnodes N                  number of nodes (MIN:MAX for an elastic job)
+  --nnodes N                  number of nodes; MIN:MAX for an elastic job, which goes on when nodes are lost or
+                              join (restarting from the latest checkpoint; every count in the range must hold the
+                              mesh), with its store served by `meshwise store HOST:PORT` off the training nodes
   --rdzv-backend c10d         rendezvous through a TCP store that the node at the endpoint hosts
   --rdzv-endpoint HOST:PORT   that node's address, the same on every node
   --rdzv-id ID                a job id, the same on every node and different for every job
@@ -157,6 +160,7 @@ def _run(argv: Sequence[str]) -> int:
         os.environ["MESHWISE_MESH"] = args.mesh
     if args.roles is not None:
         os.environ["MESHWISE_ROLES"] = args.roles
+    prepare_elastic(args, os.environ.get("MESHWISE_MESH"), os.environ.get("MESHWISE_ROLES"))
     if args.timeout is not None:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
     from torch.distributed.elastic.multiprocessing import SignalException
@@ -477,7 +481,14 @@ def _export(argv: Sequence[str]) -> int:
     return run_cli(list(argv), prog="meshwise export")
 
 
-COMMANDS = {"run": _run, "describe": _describe, "plot": _plot, "report": _report, "export": _export}
+COMMANDS = {
+    "run": _run,
+    "store": serve_store,
+    "describe": _describe,
+    "plot": _plot,
+    "report": _report,
+    "export": _export,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -490,10 +501,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(
-            "usage: meshwise {run,describe,plot,report,export} ...\n\n"
+            "usage: meshwise {run,store,describe,plot,report,export} ...\n\n"
             "  run       torchrun a script with a mesh:  meshwise run --nproc-per-node 4 --mesh dp=-1,tp=2 train.py\n"
             "            or play one rank of a big job:  meshwise run --dry-run --world-size 1024 --rank 5 "
             "--mesh dp=-1,tp=8 train.py\n"
+            "  store     an elastic run's rendezvous:    meshwise store 0.0.0.0:29400   (off the training nodes)\n"
             "  describe  plan a mesh:                    meshwise describe --mesh dp=-1,tp=2 --world-size 8 "
             "--nproc-per-node 4\n"
             "  plot      draw a run's curves:            meshwise plot runs/gpt\n"

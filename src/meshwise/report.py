@@ -15,7 +15,9 @@ from typing import Any
 from meshwise.errors import MeshwiseError
 from meshwise.plot import METRICS_FILE
 
-__all__ = ["report_text"]
+__all__ = ["WORLDS_FILE", "report_text"]
+
+WORLDS_FILE = "worlds.jsonl"  # a checkpoint folder's history of worlds (meshwise.engine.worlds), one line a start
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RANK_TAG = re.compile(r"^rank(\d+)$")
@@ -23,6 +25,8 @@ _RANK_TAG = re.compile(r"^rank(\d+)$")
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / METRICS_FILE
+    if not path.is_file() and _world_files(run_dir):
+        return []  # a run without a RunLogger: its checkpoints and worlds are still worth a report
     if not path.is_file():
         raise MeshwiseError(
             f"no {METRICS_FILE} in {run_dir}: is it the folder given to meshwise.engine.RunLogger(run_dir)?"
@@ -70,6 +74,29 @@ def _checkpoints(run_dir: Path) -> list[str]:
         shown = ", ".join(f"step-{s}" for s in steps[-4:])
         more = f" (+{len(steps) - 4} older)" if len(steps) > 4 else ""
         lines.append(f"{root}: {shown}{more}{named}")
+    return lines
+
+
+def _world_files(run_dir: Path) -> list[Path]:
+    return sorted({*run_dir.glob(WORLDS_FILE), *run_dir.glob(f"*/{WORLDS_FILE}")})
+
+
+def _worlds(run_dir: Path) -> list[str]:
+    """One line per start of the run: its world, the step it resumed from and the steps lost before it."""
+    lines = []
+    for path in _world_files(run_dir):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                w = json.loads(line)
+                mesh = " x ".join(f"{d}={s}" for d, s in w["mesh"].items())
+                text = f"{w['time']}  {w['world_size']} ranks ({mesh}, {w.get('nodes', '?')} nodes)"
+            except (ValueError, KeyError, AttributeError, TypeError):
+                continue  # a line cut short by a kill
+            step = w.get("resumed_from")
+            text += ", from the start" if step is None else f", resumed from step {step}"
+            if w.get("steps_lost") is not None:
+                text += f", {w['steps_lost']} lost (the world before reached step {w.get('previous_reached')})"
+            lines.append(text)
     return lines
 
 
@@ -138,4 +165,5 @@ def report_text(run_dir: str | os.PathLike[str]) -> str:
     lines.extend(f"checkpoint {c}" for c in checkpoints)
     if not checkpoints:
         lines.append("checkpoint none under this folder")
+    lines.extend(f"world      {w}" for w in _worlds(run))
     return "\n".join(lines)

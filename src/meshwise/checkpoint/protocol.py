@@ -254,13 +254,17 @@ class CheckpointFolder:
 
     # ------------------------------------------------------------------ writing
 
-    def prepare(self, step: int | str, subdirs: Iterable[str]) -> None:
-        """Create the root (with its marker) and an empty :meth:`tmp_path` holding ``subdirs``."""
+    def make_root(self) -> None:
+        """Create the root with its marker (a folder holding other files is refused, untouched)."""
         self.check_root(for_save=True)
         self.root.mkdir(parents=True, exist_ok=True)
         marker = self.root / MARKER
         if not marker.exists():
             write_file(marker, json.dumps({"format": FORMAT, "version": FORMAT_VERSION}) + "\n")
+
+    def prepare(self, step: int | str, subdirs: Iterable[str]) -> None:
+        """Create the root (with its marker) and an empty :meth:`tmp_path` holding ``subdirs``."""
+        self.make_root()
         tmp = self.tmp_path(step)
         if tmp.is_symlink():
             tmp.unlink()  # not a folder of ours: the link goes, never what it points at

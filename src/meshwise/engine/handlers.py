@@ -17,6 +17,7 @@ from meshwise.checkpoint import Checkpointer
 from meshwise.checkpoint.objects import classify
 from meshwise.debug import guarded, interrupt
 from meshwise.engine import stop
+from meshwise.engine.worlds import WorldHistory
 from meshwise.errors import CheckpointError, MeshwiseError
 from meshwise.topology import Topology, resolve
 
@@ -324,6 +325,11 @@ class Checkpointing:
     ``engine.state.output`` then stays None. At ``COMPLETED`` a pending async save is waited for.
     ``resumed`` is the :class:`~meshwise.checkpoint.CheckpointInfo` of the load, or None.
 
+    Every start of a run in the checkpoint folder adds a line to its ``worlds.jsonl`` (world size, mesh, nodes,
+    the step resumed from, the steps lost since the last world's last step); a start after another, such as an
+    elastic restart on fewer nodes, says so in one warning (:class:`~meshwise.engine.worlds.WorldHistory`;
+    ``meshwise report`` shows the history).
+
     A run stopped by SIGINT or SIGTERM (Ctrl-C, SLURM's pre-kill signal, ``scancel``) stops on every rank after
     the same step; with ``save_on_stop`` (the default) a checkpoint of that step is written and waited for
     before the process exits, so the resume loses no step. Saves are atomic: a save cut short by the final
@@ -358,6 +364,7 @@ class Checkpointing:
         self.objects = dict(objects)
         self.resumed: Any = None
         self._started = False
+        self.history = WorldHistory(checkpointer.root, checkpointer.topology)
 
     def attach(self, engine: Engine) -> Checkpointing:
         names = [name for name, obj in self.objects.items() if obj is engine]
@@ -369,6 +376,8 @@ class Checkpointing:
             self.objects["engine"] = EngineState(engine)
         if self.resume:
             engine.add_event_handler(Events.STARTED, self._resume)
+        engine.add_event_handler(Events.STARTED, self._record_world)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, lambda e: self.history.reached(e.state.iteration))
         if self.every_iterations is not None:
             engine.add_event_handler(Events.ITERATION_COMPLETED(every=self.every_iterations), self._save)
         if self.every_epochs is not None:
@@ -386,8 +395,16 @@ class Checkpointing:
         step = self.checkpointer.latest_step()
         interrupt.note_checkpoint(step, self.checkpointer.root, step == engine.state.iteration)
 
+    def _record_world(self, engine: Engine) -> None:
+        if self.history.started:
+            return  # another run() in this process: the same world
+        if self.history.writes:
+            self.checkpointer.folder.make_root()
+        self.history.start(None if self.resumed is None else self.resumed.step)
+
     def _save(self, engine: Engine) -> None:
         if self.checkpointer.last_saved_step != engine.state.iteration:
+            self.history.check_owner()  # rank 0: its error ends this world's save on every rank
             self.checkpointer.save(engine.state.iteration, **self.objects)
 
     def _resume(self, engine: Engine) -> None:

@@ -38,7 +38,13 @@ _WEIGHTS = ("samples", "tokens", "labels")
 
 
 def _check_options(
-    model: Any, optimizer: Any, accumulation_steps: Any, grad_clip: Any, loss_weight: Any, target_key: Any
+    model: Any,
+    optimizer: Any,
+    accumulation_steps: Any,
+    micro_batch_size: Any,
+    grad_clip: Any,
+    loss_weight: Any,
+    target_key: Any,
 ) -> None:
     if not isinstance(model, nn.Module):
         raise MeshwiseError(f"create_trainer() needs an nn.Module, got {type(model).__name__}")
@@ -46,6 +52,14 @@ def _check_options(
         raise MeshwiseError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
         raise MeshwiseError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+    if micro_batch_size is not None:
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise MeshwiseError(f"micro_batch_size must be an int >= 1 or None, got {micro_batch_size!r}")
+        if accumulation_steps != 1:
+            raise MeshwiseError(
+                f"accumulation_steps={accumulation_steps} and micro_batch_size={micro_batch_size} both set the "
+                "number of micro-batches: give one (micro_batch_size keeps the global batch on any data size)"
+            )
     if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
         raise MeshwiseError(f"grad_clip must be a positive number or None, got {grad_clip!r}")
     if not (callable(loss_weight) or loss_weight in _WEIGHTS):
@@ -165,6 +179,7 @@ class TrainStep:
         grad_clip: float | None = None,
         norm_type: float = 2.0,
         accumulation_steps: int = 1,
+        micro_batch_size: int | None = None,
         loss_weight: LossWeight = "samples",
         prepare: Callable[[Batch], Batch] | None = None,
         forward: Callable[[nn.Module, Batch], Any] | None = None,
@@ -173,13 +188,13 @@ class TrainStep:
         target_key: str | None = "target",
     ) -> None:
         topo = resolve(topology)
-        _check_options(model, optimizer, accumulation_steps, grad_clip, loss_weight, target_key)
+        _check_options(model, optimizer, accumulation_steps, micro_batch_size, grad_clip, loss_weight, target_key)
         _check_placement(model, topo)
         _check_optimizer(model, optimizer)
         self.model, self.optimizer, self.loss_fn, self.topology = model, optimizer, loss_fn, topo
         self.max_norm = None if grad_clip is None else float(grad_clip)
         self.norm_type = norm_type
-        self.accumulation_steps = accumulation_steps
+        self.accumulation_steps, self.micro_batch_size = accumulation_steps, micro_batch_size
         self.loss_weight = loss_weight
         self.prepare = prepare
         self.forward = forward or (lambda m, b: m(b[input_key]))
@@ -190,7 +205,9 @@ class TrainStep:
         self.metric_group = topo.group(topo.metric_dims) if self.data_parallel > 1 else None
         # The fused reduction for clipping runs over the world; count and loss are identical on the replica ranks.
         self.replica_copies = topo.world_size // self.data_parallel
-        self.no_sync = accumulation_steps > 1 and hasattr(model, "set_requires_gradient_sync")
+        self.no_sync = (accumulation_steps > 1 or micro_batch_size is not None) and hasattr(
+            model, "set_requires_gradient_sync"
+        )
         self.reference = 1.0
         # parallelize(precision=...)'s policy: autocast for the forward, and for fp16 a loss scaler (docs/precision.md)
         self.precision = precision_of(model)
@@ -218,6 +235,13 @@ class TrainStep:
         if self.scaler is not None:
             engine.state.skipped_steps, engine.state.loss_scale = self.scaler.skipped, self.scaler.scale
         return loss
+
+    def parts_of(self, rows: int) -> int:
+        """How many micro-batches a local batch of ``rows`` runs as: ``accumulation_steps``, or with
+        ``micro_batch_size`` as many as keep each at most that size (more when the data size shrinks)."""
+        if self.micro_batch_size is None:
+            return self.accumulation_steps
+        return max(1, -(-rows // self.micro_batch_size))
 
     def count_of(self, micro: Batch) -> float:
         """How many units (samples, tokens, non-ignored labels, or the user's count) ``micro``'s mean loss is over."""
@@ -255,7 +279,8 @@ class TrainStep:
                 self.reference = count
         elif self.scaler is not None and self.loss_count is None:  # a first reference near the global count
             self.reference = max(1.0, self.count_of(batch) * self.data_parallel)
-        micros = split_rows(batch, row_count(batch, self.input_key), self.accumulation_steps)
+        rows = row_count(batch, self.input_key)
+        micros = split_rows(batch, rows, self.parts_of(rows))
         self.optimizer.zero_grad(set_to_none=True)
         local_count, loss_sum = 0.0, None
         for j, micro in enumerate(micros):

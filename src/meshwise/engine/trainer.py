@@ -97,12 +97,14 @@ def create_trainer(
     """An ignite ``Engine`` whose step trains ``model`` on one local batch per iteration, like one process would.
 
     ``options`` are :class:`TrainStep`'s keyword options, with its defaults: ``grad_clip=None``,
-    ``norm_type=2.0``, ``accumulation_steps=1``, ``loss_weight="samples"``, ``prepare=None``,
+    ``norm_type=2.0``, ``accumulation_steps=1``, ``micro_batch_size=None``, ``loss_weight="samples"``, ``prepare=None``,
     ``forward=None``, ``step_context=None``, ``input_key="input"``, ``target_key="target"``; an unknown one
     raises ``TypeError``.
 
     Each iteration takes this rank's batch (a dict; ``valid`` False rows are excluded), applies
-    ``prepare(batch)``, splits it into ``accumulation_steps`` micro-batches, and for each runs
+    ``prepare(batch)``, splits it into ``accumulation_steps`` micro-batches (or, with ``micro_batch_size``, into as
+    many as keep each at most that size: the global batch stays the loader's on any data size, so a run that
+    restarts on fewer ranks accumulates more; docs/cluster.md, "Elastic runs"), and for each runs
     ``output = forward(model, micro)`` (default ``model(micro[input_key])``) and
     ``loss = loss_fn(output, micro[target_key])`` (``loss_fn(output, micro)`` when ``target_key`` is None),
     inside ``step_context()`` if given (e.g. ``torch.distributed.tensor.parallel.loss_parallel``), then

@@ -1,0 +1,139 @@
+"""Real torchrun agents on loopback for elastic runs: a `meshwise store`, `meshwise run --nnodes 1:2` agents of
+examples/elastic/train.py, a node lost by killing an agent's whole process tree, the one-process reference. Shared by
+tests/elastic/real_agents.py and benchmarks/bench_elastic.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "elastic" / "train.py"
+PY = sys.executable
+ENV = {"MESHWISE_TIMEOUT": "60", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # a hang fails in a minute
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def store() -> Iterator[str]:
+    """A `meshwise store` on a free loopback port, stopped (SIGTERM) at the end; yields its HOST:PORT."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen(
+        [PY, "-m", "meshwise.launch", "store", endpoint], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "serving the rendezvous" in line, line
+        yield endpoint
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def train_args(run_dir: Path, steps: int, step_seconds: float, out: Path | None = None) -> list[str]:
+    args = [str(EXAMPLE), "--run-dir", str(run_dir), "--steps", str(steps), "--step-seconds", str(step_seconds)]
+    return args + (["--out", str(out)] if out else [])
+
+
+def agent(endpoint: str, run_id: str, script_args: list[str], log: Path, mesh: str = "dp=-1,tp=2") -> subprocess.Popen:
+    """One node: `meshwise run --nnodes 1:2 --nproc-per-node 2` in a session of its own (its log in ``log``)."""
+    cmd = [PY, "-m", "meshwise.launch", "run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3"]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--mesh", mesh]
+    env = {**os.environ, **ENV, "MESHWISE_RUN_DIR": str(log.parent / f"{log.stem}-reports")}
+    with open(log, "w") as f:
+        return subprocess.Popen(
+            cmd + script_args, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+
+
+def _tree(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def lose_node(proc: subprocess.Popen) -> float:
+    """SIGKILL the agent and every process under it (its workers run in sessions of their own): a node gone."""
+    pids = _tree(proc.pid)
+    t = time.monotonic()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    return t
+
+
+def reached(run_dir: Path) -> int:
+    """The last step the run's current world completed (meshwise.engine.worlds), 0 before the first."""
+    with contextlib.suppress(OSError, ValueError):
+        return int((run_dir / ".reached-step").read_text())
+    return 0
+
+
+def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while reached(run_dir) < step:
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f} s (at {reached(run_dir)})"
+        assert all(p.poll() is None for p in procs), "an agent ended before the step"
+        time.sleep(0.05)
+
+
+def finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 240) -> list[str]:
+    """Wait for every agent (killed at the timeout); their logs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                for pid in _tree(p.pid):
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                p.wait()
+    return [log.read_text() for log in logs]
+
+
+def reference(tmp: Path, steps: int) -> list[float]:
+    """The uninterrupted one-process run's final weights."""
+    out = tmp / "reference.json"
+    subprocess.run(
+        [PY, *train_args(tmp / "reference", steps, 0.0, out)],
+        check=True,
+        env={**os.environ, **ENV},
+        cwd=ROOT,
+        timeout=120,
+        capture_output=True,
+    )
+    return json.loads(out.read_text())["weights"]
+
+
+def worlds(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "worlds.jsonl").read_text().splitlines()]
+
+
+def max_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
