@@ -140,3 +140,9 @@ sweep-table:
 .PHONY: test-slurm
 test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -s -rs --timeout=300 tests/slurm/real_slurm.py
+
+# Elastic runs with real torchrun agents on loopback (tests/elastic/): a node lost (its agent and workers SIGKILLed),
+# a node joining, SIGTERM mid-epoch; each run's final weights equal one process's. About 1.5 minutes on 2 cores.
+.PHONY: test-elastic
+test-elastic: $(STAMP)
+	$(BIN)/python -m pytest -q -s -rs --timeout=300 tests/elastic/real_agents.py

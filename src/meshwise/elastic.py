@@ -23,7 +23,7 @@ __all__ = ["RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_sto
 # (2 x 1 s) an agent starved of CPU on a loaded 2-core machine was counted dead while alive, and its world and the
 # newcomer's trained side by side. The price of the short last call: a node that starts over a second after the
 # others begins outside their world and joins it at a restart (the running world saves first: nothing is lost).
-RENDEZVOUS_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "5"}
+RENDEZVOUS_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 _STORE_CHECK_S = 10.0  # how long meshwise run waits for `meshwise store` to answer before it refuses
 

@@ -48,9 +48,12 @@ def train_args(run_dir: Path, steps: int, step_seconds: float, out: Path | None 
     return args + (["--out", str(out)] if out else [])
 
 
-def agent(endpoint: str, run_id: str, script_args: list[str], log: Path, mesh: str = "dp=-1,tp=2") -> subprocess.Popen:
-    """One node: `meshwise run --nnodes 1:2 --nproc-per-node 2` in a session of its own (its log in ``log``)."""
+def agent(
+    endpoint: str, run_id: str, script_args: list[str], log: Path, *launcher: str, mesh: str = "dp=-1,tp=2"
+) -> subprocess.Popen:
+    """One node: `meshwise run --nnodes 1:2 --nproc-per-node 2 [launcher options]` in a session of its own."""
     cmd = [PY, "-m", "meshwise.launch", "run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3"]
+    cmd += list(launcher)
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--mesh", mesh]
     env = {**os.environ, **ENV, "MESHWISE_RUN_DIR": str(log.parent / f"{log.stem}-reports")}
     with open(log, "w") as f:
@@ -74,14 +77,16 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def lose_node(proc: subprocess.Popen) -> float:
-    """SIGKILL the agent and every process under it (its workers run in sessions of their own): a node gone."""
+def lose_node(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> float:
+    """``sig`` to the agent and every process under it (its workers run in sessions of their own): SIGKILL, a node
+    gone; SIGSTOP, a node that hangs (its processes alive, its sockets open, nothing answering)."""
     pids = _tree(proc.pid)
     t = time.monotonic()
     for pid in pids:
         with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+            os.kill(pid, sig)
+    if sig == signal.SIGKILL:
+        proc.wait(timeout=30)
     return t
 
 

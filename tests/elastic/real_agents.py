@@ -94,3 +94,29 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_resumed_run_equals_an_uninter
     diff = agents.max_diff(json.loads((tmp_path / "out.json").read_text())["weights"], ref)
     print(f"SIGTERM at step {stopped}: final weights differ from one process by {diff:.3g}")
     assert diff <= TOL
+
+
+def test_a_hung_node_is_given_up_after_the_users_timeout_and_the_others_train_on(tmp_path, ref):
+    """Node B freezes at step 8 (its agent and workers SIGSTOPped: sockets open, nothing answers). With
+    `meshwise run --timeout 10`, node A's workers give up on the collective after 10 s (not gloo's 30 minutes),
+    B's silent agent is counted dead by the rendezvous, and A trains on at dp=1 x tp=2 to one process's weights."""
+    run = tmp_path / "run"
+    with agents.store() as endpoint:
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        args = agents.train_args(run, STEPS, 0.3, tmp_path / "out.json")
+        a = agents.agent(endpoint, "hung", args, logs[0], "--timeout", "10")
+        b = agents.agent(endpoint, "hung", agents.train_args(run, STEPS, 0.3), logs[1], "--timeout", "10")
+        agents.wait_for_step(run, 8, [a, b])
+        agents.lose_node(b, signal.SIGSTOP)
+        try:
+            (text_a,) = agents.finish([a], logs[:1])
+        finally:
+            agents.lose_node(b)  # still stopped: gone now
+    assert a.returncode == 0, text_a[-3000:]
+    assert "could not" in text_a or "did not arrive" in text_a, text_a[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert (out["step"], out["world"]) == (STEPS, 2)
+    diff = agents.max_diff(out["weights"], ref)
+    print(f"hung node: final weights differ from one process by {diff:.3g}")
+    assert diff <= TOL
+    assert [w["world_size"] for w in agents.worlds(run)] == [4, 2]
