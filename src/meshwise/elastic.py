@@ -19,10 +19,11 @@ __all__ = ["RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_sto
 
 # torchrun's c10d defaults wait 30 s (last call) for more nodes once the minimum is there, and count a node dead 15 s
 # after its last heartbeat (3 x 5 s): a lost node cost the survivors ~37 s of rendezvous on loopback. These (each one
-# the user gives wins) bring it to ~5 s. A node is counted dead after 5 s without a heartbeat (1 s apart): at 2 s
-# (2 x 1 s) an agent starved of CPU on a loaded 2-core machine was counted dead while alive, and its world and the
-# newcomer's trained side by side. The price of the short last call: a node that starts over a second after the
-# others begins outside their world and joins it at a restart (the running world saves first: nothing is lost).
+# the user gives wins) bring it to ~2 s (bench_elastic). A node is counted dead after 3 heartbeats (1 s apart) are
+# missed, torch's own ratio; at 2 x 1 s an agent starved of CPU on a loaded 2-core machine was counted dead while
+# alive (its world and a newcomer's then trained side by side: WorldHistory.check_owner now stops the older). The
+# price of the short last call: a node that starts over a second after the others begins outside their world and
+# joins it at a restart (the running world saves first: nothing is lost).
 RENDEZVOUS_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 _STORE_CHECK_S = 10.0  # how long meshwise run waits for `meshwise store` to answer before it refuses
