@@ -1,5 +1,5 @@
 """Topology-aware data: a global-cursor sampler, per-rank sample parts, replica reads, map-style and stream sources,
-weighted mixtures of sources, and node-set parts of graphs."""
+weighted mixtures of sources, and node-set parts of graphs (one graph, or each sample its own)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
 from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes, reorder_nodes
+from meshwise.data.graph_samples import GraphSamples
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.mixture import mix
 from meshwise.data.packing import pack
@@ -19,6 +20,7 @@ from meshwise.data.streaming import MeshStreamLoader
 # What users call; the part arithmetic (FieldPart, resolve_part, as_dtensor, largest_halo) stays in meshwise.data.parts.
 __all__ = [
     "ArrayDataset",
+    "GraphSamples",
     "MeshDataLoader",
     "MeshSampleLoader",
     "MeshSampler",

@@ -27,7 +27,7 @@ import numpy as np
 from meshwise.data.sources import chunk_bytes
 from meshwise.errors import DataError
 
-__all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes", "reorder_nodes"]
+__all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes", "read_rows", "reorder_nodes"]
 
 _CACHE: dict[tuple, list[NodePart]] = {}
 _CACHE_SIZE = 8
@@ -209,7 +209,11 @@ def read_nodes(source: Any, part: NodePart) -> tuple[np.ndarray, int]:
     array, shape ``[num_nodes, ...]``; only those rows are read, long runs of consecutive rows as slices (after
     :func:`reorder_nodes` a part is a few runs). Returns the rows and the bytes read: of the rows, or for a chunked
     store (Zarr, chunked HDF5) of every chunk touched, which is read whole."""
-    nodes = part.nodes
+    return read_rows(source, part.nodes)
+
+
+def read_rows(source: Any, nodes: np.ndarray) -> tuple[np.ndarray, int]:
+    """Rows ``nodes`` (in that order) of a node field, as :func:`read_nodes` reads them, and the bytes read."""
     order = np.argsort(nodes, kind="stable")
     ids = nodes[order]
     cuts = np.flatnonzero(np.diff(ids) != 1) + 1
