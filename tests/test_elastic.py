@@ -170,7 +170,7 @@ def test_each_start_in_a_checkpoint_folder_is_a_world_in_its_history_and_a_resta
     )
     text = report_text(run)
     assert "checkpoint none" not in text and text.count("world      ") == 2
-    assert "1 ranks (dp=1, 1 nodes), resumed from step 6, 2 lost (the world before reached step 8)" in text
+    assert "1 ranks (dp=1, 1 node), resumed from step 6, 2 lost (the world before reached step 8)" in text
 
 
 def test_a_second_world_writing_the_same_folder_stops_the_first_at_its_next_save(tmp_path, clean_env):

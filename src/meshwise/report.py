@@ -89,7 +89,8 @@ def _worlds(run_dir: Path) -> list[str]:
             try:
                 w = json.loads(line)
                 mesh = " x ".join(f"{d}={s}" for d, s in w["mesh"].items())
-                text = f"{w['time']}  {w['world_size']} ranks ({mesh}, {w.get('nodes', '?')} nodes)"
+                nodes = w.get("nodes", "?")
+                text = f"{w['time']}  {w['world_size']} ranks ({mesh}, {nodes} node{'' if nodes == 1 else 's'})"
             except (ValueError, KeyError, AttributeError, TypeError):
                 continue  # a line cut short by a kill
             step = w.get("resumed_from")
