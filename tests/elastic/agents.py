@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -55,7 +56,7 @@ def agent(
     cmd = [PY, "-m", "meshwise.launch", "run", "--nnodes", "1:2", "--nproc-per-node", "2", "--max-restarts", "3"]
     cmd += list(launcher)
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--mesh", mesh]
-    env = {**os.environ, **ENV, "MESHWISE_RUN_DIR": str(log.parent / f"{log.stem}-reports")}
+    env = {**os.environ, **ENV, "MESHWISE_RUN_DIR": str(log.parent / f"{log.stem}-reports"), "LOGLEVEL": "INFO"}
     with open(log, "w") as f:
         return subprocess.Popen(
             cmd + script_args, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
@@ -88,6 +89,12 @@ def lose_node(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> float:
     if sig == signal.SIGKILL:
         proc.wait(timeout=30)
     return t
+
+
+def group_rank(log: Path) -> int | None:
+    """The node rank torchrun's rendezvous gave this agent last (its INFO log: ``group_rank=K``)."""
+    found = re.findall(r"group_rank=(\d+)", log.read_text(errors="replace"))
+    return int(found[-1]) if found else None
 
 
 def reached(run_dir: Path) -> int:

@@ -26,29 +26,31 @@ def ref(tmp_path_factory) -> list[float]:
 
 
 def test_a_lost_node_leaves_the_survivor_training_with_the_same_global_batch_and_one_process_weights(tmp_path, ref):
-    """Node B (its agent and both workers) is SIGKILLed at step 9 of a dp=2 x tp=2 run: node A's agent restarts
-    its workers at dp=1 x tp=2 (twice the accumulation, the same global batch of 16), they load the latest
-    checkpoint, and the run ends with one process's weights. worlds.jsonl and the restart's log line say it."""
-    run = tmp_path / "run"
+    """The node of global rank 0 (its workers host the world's store) is lost at step 9 of a dp=2 x tp=2 run: its
+    agent and both workers SIGKILLed. The other node's agent restarts its workers at dp=1 x tp=2 (twice the
+    accumulation, the same global batch of 16), they load the latest checkpoint, and the run ends with one
+    process's weights. worlds.jsonl and the restart's log line say it."""
+    run, out = tmp_path / "run", tmp_path / "out.json"
     with agents.store() as endpoint:
         logs = [tmp_path / "a.log", tmp_path / "b.log"]
-        a = agents.agent(endpoint, "lost", agents.train_args(run, STEPS, 0.3, tmp_path / "out.json"), logs[0])
-        b = agents.agent(endpoint, "lost", agents.train_args(run, STEPS, 0.3), logs[1])
-        agents.wait_for_step(run, 9, [a, b])
-        agents.lose_node(b)
-        text_a, _ = agents.finish([a, b], logs)
-    assert a.returncode == 0, text_a[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
-    assert (out["step"], out["world"]) == (STEPS, 2)
-    diff = agents.max_diff(out["weights"], ref)
+        procs = [agents.agent(endpoint, "lost", agents.train_args(run, STEPS, 0.3, out), log) for log in logs]
+        agents.wait_for_step(run, 9, procs)
+        lost = [agents.group_rank(log) for log in logs].index(0)  # the node of rank 0 goes
+        agents.lose_node(procs[lost])
+        survivor, log = procs[1 - lost], logs[1 - lost]
+        (text,) = agents.finish([survivor], [log])
+    assert survivor.returncode == 0, text[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["step"], result["world"]) == (STEPS, 2)
+    diff = agents.max_diff(result["weights"], ref)
     print(f"lost node: final weights differ from one process by {diff:.3g}")
     assert diff <= TOL
     first, last = agents.worlds(run)[0], agents.worlds(run)[-1]
     assert (first["world_size"], first["mesh"], first["nodes"]) == (4, {"dp": 2, "tp": 2}, 2)
     assert (last["world_size"], last["mesh"], last["nodes"]) == (2, {"dp": 1, "tp": 2}, 1)
     assert last["resumed_from"] >= 9 and last["steps_lost"] == last["previous_reached"] - last["resumed_from"]
-    assert "this run restarted on 2 ranks (dp=1 x tp=2, 1 node), was 4 ranks (dp=2 x tp=2, 2 nodes)" in text_a
-    assert f"resumed from checkpoint step {last['resumed_from']}" in text_a
+    assert "this run restarted on 2 ranks (dp=1 x tp=2, 1 node), was 4 ranks (dp=2 x tp=2, 2 nodes)" in text
+    assert f"resumed from checkpoint step {last['resumed_from']}" in text
 
 
 def test_a_node_that_joins_grows_the_run_back_and_the_running_world_saves_first(tmp_path, ref):
