@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from meshwise.data import node_parts, partition_nodes, read_nodes
+from meshwise.data.graph import read_rows
 from meshwise.errors import DataError
 from meshwise.testing import run_distributed
 
@@ -96,6 +97,36 @@ def test_each_rank_reads_only_its_nodes_and_halo_from_npy_zarr_and_hdf5(tmp_path
             touched = np.unique(part.nodes // 16)  # Zarr reads whole chunks of 16 nodes (the last one shorter)
             chunked = int(np.sum(np.minimum(16 * touched + 16, n) - 16 * touched)) if source is z else len(part.nodes)
             assert np.array_equal(rows, field[part.nodes]) and nbytes == chunked * 5 * 3 * 8
+
+
+class CountingChunks:
+    """A chunked array (chunks of 16 rows) that records the chunks each read touches."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.shape, self.dtype, self.chunks, self.reads = data, data.shape, data.dtype, (16, 5, 3), []
+
+    def __getitem__(self, key):
+        rows = np.arange(len(self.data))[key]
+        self.reads.append(set((rows // 16).tolist()))
+        return self.data[key]
+
+
+def test_rows_in_any_order_read_each_touched_chunk_once():
+    field = np.random.default_rng(2).standard_normal((2000, 5, 3))
+    asks = [
+        np.r_[np.arange(600, 1200), np.arange(590, 600), [5, 1999, 1300], np.arange(1500, 1210, -1), [700, 5]],
+        np.arange(1999, -1, -1),  # a block asked backwards
+        np.random.default_rng(3).permutation(2000)[:300],
+        np.arange(0),
+    ]
+    for ids in asks:
+        source = CountingChunks(field)
+        rows, nbytes = read_rows(source, ids)
+        touched = set((ids // 16).tolist())
+        assert np.array_equal(rows, field[ids]) and nbytes == sum(min(16, 2000 - 16 * c) for c in touched) * 120
+        assert sum(len(r) for r in source.reads) == len(touched) == len(set().union(*source.reads))
+        flat, nb = read_rows(field, ids)
+        assert np.array_equal(flat, field[ids]) and nb == len(ids) * 120
 
 
 def test_bad_graphs_and_partitions_are_refused_with_the_fix():

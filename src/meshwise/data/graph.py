@@ -201,43 +201,84 @@ def _digest(e: np.ndarray, coords: Any, vector: Any) -> str:
     return h.hexdigest()
 
 
-_LONG_RUN = 256  # consecutive rows read as one slice; shorter runs go into one indexed read
+_LONG_RUN = 256  # a run of this many consecutive rows is copied as one block; shorter runs are gathered row by row
 
 
 def read_nodes(source: Any, part: NodePart) -> tuple[np.ndarray, int]:
     """Rows ``part.nodes`` (owned, then halo) of a node field: a numpy array or memmap (``.npy``), a Zarr or HDF5
-    array, shape ``[num_nodes, ...]``; only those rows are read, long runs of consecutive rows as slices (after
-    :func:`reorder_nodes` a part is a few runs). Returns the rows and the bytes read: of the rows, or for a chunked
-    store (Zarr, chunked HDF5) of every chunk touched, which is read whole."""
+    array, shape ``[num_nodes, ...]``; only those rows are read, each chunk of a chunked store (Zarr, chunked HDF5)
+    at most once, long runs of consecutive rows as slices (after :func:`reorder_nodes` a part is a few runs).
+    Returns the rows and the bytes read: of the rows, or for a chunked store of every chunk touched, read whole."""
     return read_rows(source, part.nodes)
 
 
+def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``starts[i] .. starts[i] + lengths[i] - 1`` for every ``i``, one after the other."""
+    return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+
+
 def read_rows(source: Any, nodes: np.ndarray) -> tuple[np.ndarray, int]:
-    """Rows ``nodes`` (in that order) of a node field, as :func:`read_nodes` reads them, and the bytes read."""
-    order = np.argsort(nodes, kind="stable")
-    ids = nodes[order]
-    cuts = np.flatnonzero(np.diff(ids) != 1) + 1
-    starts, ends = np.r_[0, cuts], np.r_[cuts, len(ids)]
-    long = (ends - starts) >= _LONG_RUN
+    """Rows ``nodes`` (in that order) of a node field, as :func:`read_nodes` reads them, and the bytes read.
+
+    The rows asked for are runs of consecutive rows, in the order asked. The chunks the long runs touch (their rows,
+    for an unchunked array) are merged into spans of consecutive chunks, each read as one slice: a long run is
+    copied from it as one block (no sort, no row-by-row copy), and the short runs' rows in its chunks are picked
+    from it too. The short runs' other rows are read in one indexed read, in increasing ids. No chunk is in two
+    reads, and a chunked store decodes each chunk once a read, so every touched chunk is read exactly once."""
+    nodes = np.asarray(nodes)
     shape = tuple(source.shape)
-    out = np.empty((len(ids), *shape[1:]), dtype=np.dtype(source.dtype))
-    short = np.ones(len(ids), dtype=bool)
-    for a, b in zip(starts[long], ends[long]):
-        rows = source[int(ids[a]) : int(ids[b - 1]) + 1]
-        at = order[a:b]  # where the run's rows go in ``out``: one block for a reordered part's owned rows
-        if at[-1] - at[0] == b - a - 1 and bool(np.all(np.diff(at) == 1)):
-            out[at[0] : at[-1] + 1] = rows
-        else:
-            out[at] = rows
-        short[a:b] = False
-    if short.any():
-        pick = ids[short]
-        out[order[short]] = source.oindex[pick] if hasattr(source, "oindex") else source[pick]
+    out = np.empty((len(nodes), *shape[1:]), dtype=np.dtype(source.dtype))
     chunks = getattr(source, "chunks", None)
-    if chunks:
-        region = [slice(0, n) for n in shape[1:]]
-        return out, chunk_bytes(shape, chunks, ids, region, out.dtype.itemsize)
-    return out, int(out.nbytes)
+    if not len(nodes):
+        return out, 0
+    c0 = int(chunks[0]) if chunks else 1
+    at = np.r_[0, np.flatnonzero(np.diff(nodes) != 1) + 1]  # where each run starts in ``out``
+    size = np.diff(np.r_[at, len(nodes)])
+    long = np.flatnonzero(size >= _LONG_RUN)  # copied as blocks
+    long = long[np.argsort(nodes[at[long]])]
+    lo = nodes[at[long]]
+    hi = lo + size[long]
+    pos = np.flatnonzero(np.repeat(size < _LONG_RUN, size))  # the short runs' rows, by id
+    pos = pos[np.argsort(nodes[pos])]
+    ids = nodes[pos]
+    st = np.r_[0, np.flatnonzero(np.diff(ids) != 1) + 1]  # their runs by id: a long one was asked out of order
+    sz = np.diff(np.r_[st, len(ids)])
+    big = st[sz >= _LONG_RUN]
+    seed_lo, seed_hi = np.r_[lo, ids[big]], np.r_[hi, ids[big] + sz[sz >= _LONG_RUN]]
+    o = np.argsort(seed_lo)  # the chunks of the long runs, merged into spans of consecutive chunks: a slice each
+    first, last = seed_lo[o] // c0, np.maximum.accumulate((seed_hi[o] - 1) // c0)
+    heads = np.r_[np.flatnonzero(np.r_[True, first[1:] > last[:-1] + 1][: len(o)]), len(o)]
+    span_first, span_last = first[heads[:-1]], last[heads[1:] - 1]
+    span_lo, span_hi = seed_lo[o][heads[:-1]], np.maximum.accumulate(seed_hi[o])[heads[1:] - 1]
+    span = np.searchsorted(span_first, ids // c0, side="right") - 1
+    inside = ids // c0 <= np.r_[span_last, -1][span]  # in a span's chunks: picked from its slice
+    picks = np.flatnonzero(inside)
+    cuts = np.searchsorted(span[picks], np.arange(len(span_first) + 1))
+    lcuts = np.r_[np.searchsorted(lo // c0, span_first), len(lo)]
+    for s in range(len(span_first)):
+        runs, mine = slice(lcuts[s], lcuts[s + 1]), picks[cuts[s] : cuts[s + 1]]
+        a, b = int(span_lo[s]), int(span_hi[s])
+        if len(mine):
+            a, b = min(a, int(ids[mine[0]])), max(b, int(ids[mine[-1]]) + 1)
+        buf = source[a:b]
+        for r, x0, x1 in zip(at[long[runs]], lo[runs], hi[runs]):
+            out[r : r + x1 - x0] = buf[x0 - a : x1 - a]
+        if len(mine) and ids[mine[-1]] - ids[mine[0]] == len(mine) - 1:  # a block asked out of order
+            out[pos[mine]] = buf[int(ids[mine[0]]) - a : int(ids[mine[-1]]) + 1 - a]
+        else:
+            out[pos[mine]] = buf[ids[mine] - a]
+    rest = np.flatnonzero(~inside)
+    if len(rest):  # in increasing ids (HDF5 needs them so), each once
+        want, inv = ids[rest], None
+        if bool(np.any(want[1:] == want[:-1])):
+            want, inv = np.unique(want, return_inverse=True)
+        rows = source.oindex[want] if hasattr(source, "oindex") else source[want]
+        out[pos[rest]] = rows if inv is None else rows[inv]
+    if not chunks:
+        return out, int(out.nbytes)
+    k = ids[rest] // c0
+    touched = np.r_[_expand(span_first, span_last - span_first + 1), k[np.r_[True, k[1:] != k[:-1]][: len(k)]]] * c0
+    return out, chunk_bytes(shape, chunks, touched, [slice(0, n) for n in shape[1:]], out.dtype.itemsize)
 
 
 def _runs(ids: np.ndarray) -> int:
