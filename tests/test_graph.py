@@ -307,3 +307,36 @@ def test_a_node_list_on_the_sphere_splits_into_balanced_uneven_parts():
     assert max(p.halo_share for p in got) < 0.6  # a ring around each 200-node cap, not the sphere
     scattered = node_parts(edges, n, parts, vector=np.random.default_rng(0).permutation(np.arange(n) % parts))
     assert min(p.halo_share for p in scattered) > 3 * max(p.halo_share for p in got)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+def test_k_layers_over_the_reach_edges_of_a_k_hop_part_give_the_owned_nodes_the_whole_graphs_values(parts):
+    """No exchange at all: with a k-hop halo, k message-passing layers over the part's reach edges compute every owned
+    node as the whole graph does (float64); with a (k-1)-hop halo they cannot."""
+    edges, coords = mesh()
+    n = len(coords)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 4, dtype=torch.float64, generator=g)
+    w_self, w_msg = (
+        torch.randn(4, 4, dtype=torch.float64, generator=g),
+        torch.randn(4, 4, dtype=torch.float64, generator=g),
+    )
+
+    def layers(h, src, dst, k):
+        for _ in range(k):
+            h = torch.tanh(h @ w_self + torch.zeros_like(h).index_add(0, dst, h[src] @ w_msg))
+        return h
+
+    e = torch.from_numpy(edges)
+    for k in (1, 2, 3):
+        whole = layers(x, e[0], e[1], k)
+        for halo, exact in ((k, True), (k - 1, False)):
+            if halo < 1:
+                continue
+            worst = 0.0
+            for p in node_parts(edges, n, parts, halo=halo, coords=coords):
+                assert p.depth == halo and (halo > 1 or p.reach_src is p.src)
+                src, dst = torch.from_numpy(p.reach_src), torch.from_numpy(p.reach_dst)
+                got = layers(x[torch.from_numpy(p.nodes)], src, dst, k)[: len(p.owned)]
+                worst = max(worst, float((got - whole[torch.from_numpy(p.owned)]).abs().max()))
+            assert (worst <= 1e-12) if exact else (worst > 1e-6), (k, halo, worst)

@@ -3,7 +3,9 @@
 A *node-set part* is the set of nodes a split rank owns, plus its *halo*: the nodes within ``halo`` hops upstream
 (along the edges ``src -> dst``) of its owned nodes that other ranks own. A message-passing layer computes its
 owned nodes' outputs from their in-edges, whose sources lie in the part or its 1-hop halo; deeper halos let a rank
-read more of the input instead of exchanging it.
+read more of the input instead of exchanging it: with a ``k``-hop halo, ``k`` layers over the part's reach edges
+(``NodePart.reach_src``/``reach_dst``) compute the owned nodes exactly with no exchange at all, the halo nodes
+redundantly.
 
 The partition is deterministic, balanced (part sizes differ by at most one node) and keeps nearby nodes together:
 the nodes sorted along a Morton (Z-order) curve of their coordinates, cut into equal ranges; or a partition
@@ -41,7 +43,11 @@ class NodePart:
     grouped by owner then by id, and ``halo_owner`` their parts; ``nodes`` = owned then halo, the rows a rank reads
     (local index ``i`` is global node ``nodes[i]``). ``src``/``dst``: the in-edges of its owned nodes in local
     indices (``dst < len(owned)``). ``send_index``/``send_counts``: the owned nodes (local) each other part needs,
-    part after part; ``recv_counts``: how many halo nodes come from each part.
+    part after part; ``recv_counts``: how many halo nodes come from each part. ``depth``: the halo's hops.
+    ``reach_src``/``reach_dst``: the in-edges of every part node closer than ``depth`` hops to the owned ones (local
+    indices; the owned nodes' in-edges first, so for ``depth <= 1`` they are ``src``/``dst``): ``depth``
+    message-passing layers over them give the owned nodes the whole graph's values without an exchange (the
+    outer halo's values go wrong first, a hop a layer, and never reach the owned nodes).
     """
 
     rank: int
@@ -54,6 +60,9 @@ class NodePart:
     send_index: np.ndarray
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
+    depth: int = 1
+    reach_src: np.ndarray | None = None
+    reach_dst: np.ndarray | None = None
 
     @property
     def nodes(self) -> np.ndarray:
@@ -150,10 +159,12 @@ def node_parts(
     owner = partition_nodes(num_nodes, parts, coords=coords, vector=vector)
     out = []
     halos: list[np.ndarray] = []
+    inners: list[np.ndarray] = []  # the nodes closer than `halo` hops: the destinations of the reach edges
     for p in range(parts):
         owned = np.flatnonzero(owner == p)
-        reach = owned
+        reach = inner = owned
         for _ in range(halo):
+            inner = reach
             reach = np.union1d(reach, _upstream(e, reach, num_nodes))
         extra = np.setdiff1d(reach, owned)
         if len(extra) and len(extra) + len(owned) == num_nodes and parts > 1:
@@ -163,6 +174,7 @@ def node_parts(
             )
         extra = extra[np.lexsort((extra, owner[extra]))]  # grouped by owner: one block per sender
         halos.append(extra)
+        inners.append(inner)
     for p in range(parts):
         owned, extra = np.flatnonzero(owner == p), halos[p]
         nodes = np.concatenate([owned, extra])
@@ -173,6 +185,13 @@ def node_parts(
         if (src < 0).any():  # halo=0: sources outside the part are not held
             keep = src >= 0
             src, dst = src[keep], dst[keep]
+        reach_src, reach_dst = src, dst
+        if halo > 1:  # then the in-edges of the halo nodes closer than `halo` hops: their sources are in the part
+            deeper = np.zeros(num_nodes, dtype=bool)
+            deeper[inners[p]] = True
+            deeper[owned] = False
+            more = np.flatnonzero(deeper[e[1]])
+            reach_src, reach_dst = np.r_[src, local[e[0, more]]], np.r_[dst, local[e[1, more]]]
         sends = [np.searchsorted(owned, halos[q][owner[halos[q]] == p]) for q in range(parts)]
         out.append(
             NodePart(
@@ -186,6 +205,9 @@ def node_parts(
                 send_index=np.concatenate(sends).astype(np.int64),
                 send_counts=tuple(len(s) for s in sends),
                 recv_counts=tuple(int(np.count_nonzero(owner[extra] == q)) for q in range(parts)),
+                depth=halo,
+                reach_src=reach_src,
+                reach_dst=reach_dst,
             )
         )
     if len(_CACHE) >= _CACHE_SIZE:
