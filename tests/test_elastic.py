@@ -78,6 +78,7 @@ def test_agents_join_the_store_as_clients_with_quick_failure_detection_and_the_u
         [*_elastic("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "keep_alive_max_attempt=7"), str(EXAMPLE)]
     )
     elastic.prepare_elastic(args, "dp=-1", None)
+    assert args.max_restarts == 3  # torchrun's 0 would end an elastic run at its first lost node
     conf = dict(item.split("=") for item in args.rdzv_conf.split(","))
     assert conf == {
         "keep_alive_max_attempt": "7",
@@ -88,6 +89,9 @@ def test_agents_join_the_store_as_clients_with_quick_failure_detection_and_the_u
     import os
 
     assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    args = parse_run_args([*_elastic("--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"), str(EXAMPLE)])
+    elastic.prepare_elastic(args, "dp=-1", None, ["--max-restarts"])
+    assert args.max_restarts == 0  # the user's own, even 0 (a run that may only grow)
     del server
 
 

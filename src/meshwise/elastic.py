@@ -10,12 +10,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from meshwise.errors import TopologyError
 from meshwise.layout import Layout
 
-__all__ = ["RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_store"]
+__all__ = ["MAX_RESTARTS", "RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_store"]
 
 # torchrun's c10d defaults wait 30 s (last call) for more nodes once the minimum is there, and count a node dead 15 s
 # after its last heartbeat (3 x 5 s): a lost node cost the survivors ~37 s of rendezvous on loopback. These (each one
@@ -27,6 +27,7 @@ __all__ = ["RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_sto
 RENDEZVOUS_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 _STORE_CHECK_S = 10.0  # how long meshwise run waits for `meshwise store` to answer before it refuses
+MAX_RESTARTS = 3  # an elastic run's --max-restarts when none is given: torchrun's 0 ends it at the first lost node
 
 
 def elastic_range(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -85,11 +86,14 @@ def _check_store(endpoint: str) -> None:
         ) from None
 
 
-def prepare_elastic(args: argparse.Namespace, mesh: str | None, roles: str | None) -> None:
-    """Check an elastic launch and fill in its rendezvous: c10d at a store no agent hosts, quick failure detection."""
+def prepare_elastic(args: argparse.Namespace, mesh: str | None, roles: str | None, given: Collection[str] = ()) -> None:
+    """Check an elastic launch and fill in its rendezvous: c10d at a store no agent hosts, quick failure detection,
+    and ``--max-restarts 3`` unless ``given`` (the launcher's option names) holds one."""
     nodes = elastic_range(args)
     if nodes is None:
         return
+    if not {"--max-restarts", "--max_restarts"} & set(given):
+        args.max_restarts = MAX_RESTARTS
     if mesh:
         _check_worlds(args, nodes, mesh, roles)
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint or args.standalone:

@@ -66,7 +66,8 @@ several nodes (run the same command on every node; docs/cluster.md, "meshwise ru
   --rdzv-id ID                a job id, the same on every node and different for every job
   --node-rank K               with --rdzv-backend static (and --master-addr/--master-port) only;
                               c10d gives the nodes their ranks itself, in the order of their addresses
-  --max-restarts N            after a worker fails, restart every worker of every node up to N times
+  --max-restarts N            after a worker fails, restart every worker of every node up to N times (torchrun's
+                              default 0; 3 for an elastic --nnodes MIN:MAX)
   --local-addr ADDR           the address the other nodes reach this node at, when the hostname
                               does not resolve to it (several network interfaces, containers)
 
@@ -160,7 +161,7 @@ def _run(argv: Sequence[str]) -> int:
         os.environ["MESHWISE_MESH"] = args.mesh
     if args.roles is not None:
         os.environ["MESHWISE_ROLES"] = args.roles
-    prepare_elastic(args, os.environ.get("MESHWISE_MESH"), os.environ.get("MESHWISE_ROLES"))
+    prepare_elastic(args, os.environ.get("MESHWISE_MESH"), os.environ.get("MESHWISE_ROLES"), tokens)
     if args.timeout is not None:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
     from torch.distributed.elastic.multiprocessing import SignalException
