@@ -265,3 +265,43 @@ def test_a_model_on_per_sample_parts_at_dp2_domain2_and_domain4_trains_like_one_
     split = res[0]["domain4"]
     assert alone["steps"] == split["steps"]
     assert max(float((alone["params"][k] - split["params"][k]).abs().max()) for k in alone["params"]) <= 1e-12
+
+
+def test_node_samples_read_only_the_parts_rows_of_each_sample_from_npy_zarr_and_hdf5(tmp_path):
+    """A time series on one mesh, stored sample-major ([time, nodes, features], as weather and CFD data are): item t
+    holds the part's rows of step t (owned + halo) and of step t + 1 (owned: the target), read without reading a
+    whole step; Zarr's chunks are each read once and counted whole."""
+    import h5py
+    import zarr
+
+    from meshwise.data import NodeSamples
+
+    rng = np.random.default_rng(5)
+    n, steps = 300, 6
+    coords = rng.uniform(size=(n, 2))
+    near = np.argsort(((coords[:, None] - coords[None]) ** 2).sum(-1), axis=1)[:, 1:4]
+    edges = np.stack([near.ravel(), np.repeat(np.arange(n), 3)])
+    u = rng.standard_normal((steps, n, 2))
+    np.save(tmp_path / "u.npy", u)
+    z = zarr.open_array(str(tmp_path / "u.zarr"), mode="w", shape=u.shape, chunks=(2, 64, 2), dtype=u.dtype)
+    z[...] = u
+    with h5py.File(tmp_path / "u.h5", "w") as f:
+        f.create_dataset("u", data=u, chunks=(1, 64, 2))
+    parts = node_parts(edges, n, 3, coords=coords)
+    with h5py.File(tmp_path / "u.h5") as f:
+        for source in (u, np.load(tmp_path / "u.npy", mmap_mode="r"), z, f["u"]):
+            for p in parts:
+                data = NodeSamples({"input": source, "target": source}, p, shift={"target": 1})
+                assert len(data) == steps - 1
+                for t in range(len(data)):
+                    item = data[t]
+                    assert torch.equal(item["input"], torch.from_numpy(u[t][p.nodes]))
+                    assert torch.equal(item["target"], torch.from_numpy(u[t + 1][p.owned]))
+    data = NodeSamples({"input": z}, parts[0])
+    data[0]
+    touched = np.unique(parts[0].nodes // 64)
+    assert data.bytes_read == 2 * sum(min(64, n - 64 * c) for c in touched) * 2 * 8  # 2 steps a chunk, 2 features
+    with pytest.raises(DataError, match=r"shape \[300, 2\]: NodeSamples reads arrays \[samples, nodes, ...\]"):
+        NodeSamples({"input": u[0]}, parts[0])
+    with pytest.raises(DataError, match="shift names \\['label'\\], which are not fields"):
+        NodeSamples({"input": u}, parts[0], shift={"label": 1})

@@ -8,7 +8,7 @@ from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
 from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes, reorder_nodes
-from meshwise.data.graph_samples import GraphSamples
+from meshwise.data.graph_samples import GraphSamples, NodeSamples
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.mixture import mix
 from meshwise.data.packing import pack
@@ -26,6 +26,7 @@ __all__ = [
     "MeshSampler",
     "MeshStreamLoader",
     "NodePart",
+    "NodeSamples",
     "Schedule",
     "Replicate",
     "Shard",

@@ -1,4 +1,5 @@
-"""Datasets whose every sample is its own graph: each split rank serves, per sample, its node-set part of it.
+"""Datasets of graph samples served as node-set parts: :class:`GraphSamples` (every sample its own graph) and
+:class:`NodeSamples` (samples on one shared graph, stored sample-major: time series on a fixed mesh).
 
 A sample is a mapping: ``edges`` (``[2, E]``, ``src -> dst``), optionally ``num_nodes``, ``coords`` and ``vector``
 (the partition's inputs, as for :func:`meshwise.data.node_parts`), and node fields ``[num_nodes, ...]`` (numpy
@@ -11,14 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from meshwise.data.graph import node_parts, read_rows
+from meshwise.data.graph import NodePart, node_parts, read_rows
 from meshwise.data.sources import RESERVED
 from meshwise.errors import DataError
 from meshwise.topology import Topology
 
-__all__ = ["GraphSamples"]
+__all__ = ["GraphSamples", "NodeSamples"]
 
 _GRAPH_KEYS = ("edges", "num_nodes", "coords", "vector")  # what partitions a sample; every other key is a field
 _PART_KEY = "part"
@@ -136,3 +138,87 @@ class GraphSamples(torch.utils.data.Dataset):
                 f"{self.parts} nodes, or split over at most {n} ranks"
             )
         return n
+
+
+class _SampleRows:
+    """Sample ``i`` of a sample-major field ``[S, N, ...]`` seen as a node field ``[N, ...]`` that :func:`read_rows`
+    reads, without reading the sample whole (Zarr's ``field[i]`` or HDF5's would)."""
+
+    def __init__(self, field: Any, i: int) -> None:
+        self.field, self.i = field, i
+        self.shape, self.dtype = tuple(field.shape[1:]), field.dtype
+        chunks = getattr(field, "chunks", None)
+        self.chunks = tuple(chunks[1:]) if chunks else None
+        if hasattr(field, "oindex"):  # Zarr: one orthogonal read of scattered rows
+            self.oindex = self
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.field[(self.i, key)]
+
+
+class NodeSamples(torch.utils.data.Dataset):
+    """Samples on one shared graph, served as this rank's node-set part: the weather or CFD time series on a fixed
+    mesh, stored sample-major.
+
+    ``fields`` maps names to arrays ``[S, num_nodes, ...]`` (numpy, a ``.npy`` memmap, Zarr or HDF5); ``part`` is
+    this rank's :class:`~meshwise.data.NodePart` of the graph (``node_parts(...)[topology.coordinate(dim)]``).
+    Item ``i`` holds, for each field, rows ``part.nodes`` (owned then halo; ``owned_fields`` only the owned rows) of
+    sample ``i + shift[name]`` as a tensor: ``shift={"target": 1}`` pairs each time step with the next from one
+    array. Only those rows are read (``meshwise.data.graph.read_rows``: each touched chunk once); ``bytes_read``
+    adds up what this process read, whole chunks counted (a chunk spanning several samples is read whole for one).
+    Through :func:`~meshwise.data.mesh_dataloader` it gets the global cursor, checkpoints and resumes on any mesh.
+    """
+
+    def __init__(
+        self,
+        fields: Mapping[str, Any],
+        part: NodePart,
+        *,
+        owned_fields: Sequence[str] = ("target",),
+        shift: Mapping[str, int] | None = None,
+    ) -> None:
+        if not isinstance(part, NodePart):
+            raise DataError(f"NodeSamples needs this rank's NodePart (from node_parts), got {type(part).__name__}")
+        if not fields:
+            raise DataError("NodeSamples needs at least one field: {name: array [samples, nodes, ...]}")
+        shift = dict(shift or {})
+        unknown = sorted(set(shift) - set(fields))
+        if unknown:
+            raise DataError(f"shift names {unknown}, which are not fields ({sorted(fields)})")
+        last = int(np.max(part.nodes)) if len(part.nodes) else -1
+        lengths = []
+        for name, field in fields.items():
+            shape = tuple(getattr(field, "shape", ()))
+            if name in RESERVED:
+                raise DataError(f"field {name!r}: {list(RESERVED)} are the batch's own keys; rename it")
+            if len(shape) < 2 or shape[1] <= last:
+                raise DataError(
+                    f"field {name!r} has shape {list(shape)}: NodeSamples reads arrays [samples, nodes, ...] whose "
+                    f"node axis (axis 1) holds every node of the graph (the part names node {last}); a node-major "
+                    "array [nodes, ...] is one graph sample: read it with read_nodes"
+                )
+            step = shift.get(name, 0)
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise DataError(f"shift[{name!r}] must be an int >= 0, got {step!r}")
+            lengths.append(shape[0] - step)
+        self.fields, self.part, self.shift = dict(fields), part, shift
+        self.owned_fields = tuple(owned_fields)
+        self.length = max(0, min(lengths))
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.length:
+            raise IndexError(f"sample {index} of {self.length}")
+        out: dict[str, Any] = {}
+        for name, field in self.fields.items():
+            i = index + self.shift.get(name, 0)
+            rows_of = field[i] if isinstance(field, np.ndarray) else _SampleRows(field, i)  # numpy: a view
+            nodes = self.part.owned if name in self.owned_fields else self.part.nodes
+            rows, nbytes = read_rows(rows_of, nodes)
+            chunks = getattr(field, "chunks", None)
+            self.bytes_read += nbytes * (min(int(chunks[0]), int(field.shape[0])) if chunks else 1)
+            out[name] = torch.from_numpy(rows)
+        return out
