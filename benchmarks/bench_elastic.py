@@ -54,7 +54,7 @@ def _elastic(tmp: Path, steps: int, kill_at: int) -> tuple[dict, float, Path]:
     with agents.store() as endpoint:
         a = agents.agent(endpoint, "bench", agents.train_args(run, steps, 0.2, tmp / "out.json"), logs[0])
         b = agents.agent(endpoint, "bench", agents.train_args(run, steps, 0.2), logs[1])
-        agents.wait_for_step(run, kill_at, [a, b])
+        agents.wait_for_step(run, kill_at, [a, b], world=4)
         before = len(agents.worlds(run))
         t_kill = agents.lose_node(b)
         snapshot = tmp / "at-kill"

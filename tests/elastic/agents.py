@@ -104,9 +104,21 @@ def reached(run_dir: Path) -> int:
     return 0
 
 
-def wait_for_step(run_dir: Path, step: int, procs: list[subprocess.Popen], timeout: float = 180) -> None:
+def wait_for_step(
+    run_dir: Path, step: int, procs: list[subprocess.Popen], world: int | None = None, timeout: float = 180
+) -> None:
+    """Until the run reached ``step`` (in a world of ``world`` ranks, when given: two agents started together may
+    first meet as two worlds, with the short last call, and join at a restart)."""
     deadline = time.monotonic() + timeout
-    while reached(run_dir) < step:
+
+    def there() -> bool:
+        if reached(run_dir) < step:
+            return False
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return world is None or worlds(run_dir)[-1]["world_size"] == world
+        return False
+
+    while not there():
         assert time.monotonic() < deadline, f"step {step} not reached in {timeout:.0f} s (at {reached(run_dir)})"
         assert all(p.poll() is None for p in procs), "an agent ended before the step"
         time.sleep(0.05)
