@@ -53,6 +53,8 @@ class Environment:
     # torchrun's restart attempt (TORCHELASTIC_RESTART_COUNT, after --max-restarts): each attempt joins a fresh
     # group through the same store, so init keys its store prefix on it.
     restart_count: int = 0
+    # torchrun's --rdzv-id (TORCHELASTIC_RUN_ID): the job an elastic run's worlds belong to; None elsewhere.
+    run_id: str | None = None
 
 
 DRY_RUN_VARIABLE = "MESHWISE_DRY_RUN"  # "rank=R,world=N,nproc=P,steps=K", set by meshwise run --dry-run
@@ -355,6 +357,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
             port,
             _int(env, "GROUP_RANK") if env.get("GROUP_RANK") else None,
             _int(env, "TORCHELASTIC_RESTART_COUNT") if env.get("TORCHELASTIC_RESTART_COUNT") else 0,
+            env.get("TORCHELASTIC_RUN_ID") or None,
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         if slurm_srun_step(env):

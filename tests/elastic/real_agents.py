@@ -48,6 +48,7 @@ def test_a_lost_node_leaves_the_survivor_training_with_the_same_global_batch_and
     first, last = agents.worlds(run)[-2:]  # (the agents may have met only at a second round: then one world more)
     assert (first["world_size"], first["mesh"], first["nodes"]) == (4, {"dp": 2, "tp": 2}, 2)
     assert (last["world_size"], last["mesh"], last["nodes"]) == (2, {"dp": 1, "tp": 2}, 1)
+    assert first["run_id"] == last["run_id"] == "lost" and first["world"] != last["world"]
     # step 9 was reached before the kill; its checkpoint may have been cut short (then step 8's is the latest)
     assert last["resumed_from"] >= 8 and last["steps_lost"] == last["previous_reached"] - last["resumed_from"]
     assert "this run restarted on 2 ranks (dp=1 x tp=2, 1 node), was 4 ranks (dp=2 x tp=2, 2 nodes)" in text

@@ -62,8 +62,8 @@ class WorldHistory:
             "previous_reached": reached,
             "steps_lost": None if reached is None else max(0, reached - (resumed_step or 0)),
         }
-        if run_id := os.environ.get("TORCHELASTIC_RUN_ID"):
-            record["run_id"] = run_id
+        if env.run_id:
+            record["run_id"] = env.run_id
         self.root.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
