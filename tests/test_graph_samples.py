@@ -305,3 +305,38 @@ def test_node_samples_read_only_the_parts_rows_of_each_sample_from_npy_zarr_and_
         NodeSamples({"input": u[0]}, parts[0])
     with pytest.raises(DataError, match="shift names \\['label'\\], which are not fields"):
         NodeSamples({"input": u}, parts[0], shift={"label": 1})
+
+
+def test_a_sample_major_series_reordered_once_reads_each_step_of_a_part_in_a_few_runs(tmp_path):
+    """reorder_nodes rewrites a [time, nodes, features] series a step at a time in partition order (and the edges
+    sorted by destination: each part's in-edges one range of edges.npy); NodeSamples on the rewritten files gives
+    every part the same rows as on the original, in a few runs of rows instead of hundreds."""
+    from meshwise.data import NodeSamples, reorder_nodes
+    from meshwise.data.graph import _runs
+
+    rng = np.random.default_rng(7)
+    n, steps = 400, 4
+    coords = rng.uniform(size=(n, 2))
+    near = np.argsort(((coords[:, None] - coords[None]) ** 2).sum(-1), axis=1)[:, 1:5]
+    edges = np.stack([near.ravel(), np.repeat(np.arange(n), 4)])
+    u = rng.standard_normal((steps, n, 3))
+    np.save(tmp_path / "u.npy", u)
+    source = np.load(tmp_path / "u.npy", mmap_mode="r")
+    reorder_nodes(tmp_path / "ordered", edges, {"u": source}, 4, coords=coords, sample_major=["u"])
+    order, new_edges = np.load(tmp_path / "ordered" / "order.npy"), np.load(tmp_path / "ordered" / "edges.npy")
+    assert np.all(np.diff(new_edges[1]) >= 0)  # sorted by destination
+    ordered = np.load(tmp_path / "ordered" / "u.npy", mmap_mode="r")
+    assert np.array_equal(ordered, u[:, order])
+    before, after = node_parts(edges, n, 4, coords=coords), node_parts(new_edges, n, 4)
+    for p, q in zip(after, before):
+        inward = np.flatnonzero((new_edges[1] >= p.owned[0]) & (new_edges[1] <= p.owned[-1]))
+        assert np.all(np.diff(inward) == 1)  # the part's in-edges: one range of the file
+        a, b = NodeSamples({"u": ordered}, p), NodeSamples({"u": source}, q)
+        for t in range(steps):  # the same nodes' rows, renumbered
+            got, want = a[t]["u"], b[t]["u"]
+            assert torch.equal(got[np.argsort(order[p.nodes])], want[np.argsort(q.nodes)])
+        assert _runs(p.nodes) * 10 < _runs(q.nodes), (_runs(p.nodes), _runs(q.nodes))
+    with pytest.raises(DataError, match=r"sample_major names \['v'\]"):
+        reorder_nodes(tmp_path / "other", edges, {"u": source}, 4, coords=coords, sample_major=["v"])
+    with pytest.raises(DataError, match=r"'u' has 4 nodes along axis 0, the graph 400"):
+        reorder_nodes(tmp_path / "other", edges, {"w": u[0], "u": source}, 4, coords=coords)  # u not named

@@ -318,11 +318,14 @@ def reorder_nodes(
     coords: Any = None,
     vector: Sequence[int] | np.ndarray | None = None,
     halo: int = 1,
+    sample_major: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Rewrite a graph dataset in partition order, once, so that each part's nodes are one contiguous range.
 
-    Writes ``folder/<name>.npy`` for every node field (``[num_nodes, ...]``, rows permuted), ``edges.npy``
-    (renumbered), ``coords.npy`` (when given) and ``order.npy`` (new id -> old id). Nodes go part by part (the
+    Writes ``folder/<name>.npy`` for every node field (``[num_nodes, ...]``, rows permuted; the fields named in
+    ``sample_major`` are ``[samples, num_nodes, ...]``, as :class:`~meshwise.data.NodeSamples` reads them, permuted
+    along axis 1 and written a sample at a time), ``edges.npy`` (renumbered, sorted by destination: each part's
+    in-edges one range), ``coords.npy`` (when given) and ``order.npy`` (new id -> old id). Nodes go part by part (the
     partition of :func:`partition_nodes`); afterwards the same partition is ``node_parts(edges, n, parts)`` (ranges
     of ids) for the balanced ones (``coords`` or none), else ``vector=old_vector[order]``. Within a part the nodes
     no other part reads come first, then the ones others read, grouped by reader (along the Morton curve within a
@@ -333,11 +336,23 @@ def reorder_nodes(
     out = Path(folder)
     if out.exists() and any(out.iterdir()):
         raise DataError(f"{out} already holds files: reorder_nodes writes a new dataset; give an empty or new folder")
-    num_nodes = len(next(iter(fields.values()))) if fields else int(np.max(np.asarray(edges))) + 1
+    unknown = sorted(set(sample_major) - set(fields))
+    if unknown:
+        raise DataError(f"sample_major names {unknown}, which are not fields ({sorted(fields)})")
+
+    def rows(name: str) -> int:
+        shape = tuple(getattr(fields[name], "shape", (len(fields[name]),)))
+        return int(shape[1]) if name in sample_major and len(shape) > 1 else int(shape[0])
+
+    num_nodes = rows(next(iter(fields))) if fields else int(np.max(np.asarray(edges))) + 1
     e = _check_edges(edges, num_nodes)
-    for name, field in fields.items():
-        if len(field) != num_nodes:
-            raise DataError(f"node field {name!r} has {len(field)} rows for {num_nodes} nodes: one row per node")
+    for name in fields:
+        if rows(name) != num_nodes:
+            axis = "axis 1 (sample_major)" if name in sample_major else "axis 0"
+            raise DataError(
+                f"node field {name!r} has {rows(name)} nodes along {axis}, the graph {num_nodes}: one row per node "
+                "(name the fields stored [samples, nodes, ...] in sample_major)"
+            )
     owner = partition_nodes(num_nodes, parts, coords=coords, vector=vector)
     curve = _morton(coords) if coords is not None else np.arange(num_nodes, dtype=np.uint64)
     old = node_parts(e, num_nodes, parts, halo=halo, coords=coords, vector=vector)
@@ -354,8 +369,16 @@ def reorder_nodes(
     after = [_runs(p.nodes) for p in node_parts(renumbered, num_nodes, parts, halo=halo, vector=owner[order])]
     out.mkdir(parents=True, exist_ok=True)
     for name, field in fields.items():
-        np.save(out / f"{name}.npy", np.asarray(field)[order])
-    np.save(out / "edges.npy", renumbered)
+        if name not in sample_major:
+            np.save(out / f"{name}.npy", np.asarray(field)[order])
+            continue
+        shape = tuple(field.shape)
+        written = np.lib.format.open_memmap(out / f"{name}.npy", mode="w+", dtype=np.dtype(field.dtype), shape=shape)
+        for t in range(shape[0]):  # a sample at a time: the series need not fit in memory
+            written[t] = np.asarray(field[t])[order]
+        written.flush()
+        del written
+    np.save(out / "edges.npy", renumbered[:, np.argsort(renumbered[1], kind="stable")])
     np.save(out / "order.npy", order)
     if coords is not None:
         np.save(out / "coords.npy", np.asarray(coords)[order])
