@@ -6,6 +6,8 @@ parameters of one process on the whole graph (float64) with metrics on owned nod
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -219,23 +221,51 @@ def _train(topo, dim: str | None):
     return {"params": params, "mse": float(mse.compute()), "bytes": nbytes, "nodes": len(part.nodes)}
 
 
-def _on_the_mesh() -> dict:
+def _own_parts(topo, folder: str) -> list[bool]:
+    """read_node_part (a rank's own edges, one all-to-all of halo ids) against node_parts (every edge, every part)."""
+    from meshwise.data import read_node_part
+
+    edges, n = np.load(f"{folder}/edges.npy"), len(np.load(f"{folder}/order.npy"))
+    out = []
+    for halo in (0, 1, 2):
+        got = read_node_part(folder, topo, "domain", halo=halo)
+        want = node_parts(edges, n, topo.size("domain"), halo=halo)[topo.coordinate("domain")]
+        out.append(
+            all(
+                np.array_equal(getattr(got, f.name), getattr(want, f.name))
+                if isinstance(getattr(got, f.name), np.ndarray)
+                else getattr(got, f.name) == getattr(want, f.name)
+                for f in dataclasses.fields(want)
+            )
+        )
+    return out
+
+
+def _on_the_mesh(folder: str) -> dict:
     import meshwise
 
     out = {}
     topo = meshwise.init({"dp": 2, "domain": 2}, timeout=60)
     out["dp2domain2"] = _train(topo, "domain")
+    out["own dp2domain2"] = _own_parts(topo, folder)
     meshwise.shutdown()
     topo = meshwise.init({"domain": 4}, timeout=60)
     out["domain4"] = _train(topo, "domain")
+    out["own domain4"] = _own_parts(topo, folder)
     meshwise.shutdown()
     return out
 
 
-def test_a_graph_model_at_dp2_domain2_and_domain4_trains_like_one_process():
+def test_a_graph_model_at_dp2_domain2_and_domain4_trains_like_one_process(tmp_path):
+    """... and, in the same launch, each rank's part of a reordered graph read from its own edges only
+    (read_node_part) equals node_parts' at halo 0, 1 and 2."""
     import meshwise
+    from meshwise.data import reorder_nodes
 
-    res = run_distributed(_on_the_mesh, 4, timeout=240)
+    edges, coords = mesh(24, 20)
+    reorder_nodes(tmp_path / "graph", edges, {}, 4, coords=coords)
+    res = run_distributed(_on_the_mesh, 4, str(tmp_path / "graph"), timeout=240)
+    assert all(r["own dp2domain2"] == [True] * 3 and r["own domain4"] == [True] * 3 for r in res), res[0]
     topo = meshwise.init({"dp": 1})  # the whole graph in this process
     try:
         one = _train(topo, None)

@@ -8,6 +8,7 @@ from meshwise.data.blend import Schedule
 from meshwise.data.collate import pad_collate
 from meshwise.data.factory import mesh_dataloader
 from meshwise.data.graph import NodePart, node_parts, partition_nodes, read_nodes, reorder_nodes
+from meshwise.data.graph_local import read_node_part
 from meshwise.data.graph_samples import GraphSamples, NodeSamples
 from meshwise.data.mapped import MeshSampleLoader
 from meshwise.data.mixture import mix
@@ -40,6 +41,7 @@ __all__ = [
     "pad_collate",
     "partition_nodes",
     "parts_of",
+    "read_node_part",
     "read_nodes",
     "reorder_nodes",
 ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,6 +32,7 @@ from meshwise.errors import DataError
 
 __all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes", "read_rows", "reorder_nodes"]
 
+GRAPH_FILE = "graph.json"  # what reorder_nodes wrote: the node count, edges sorted by destination (graph_local)
 _CACHE: dict[tuple, list[NodePart]] = {}
 _CACHE_SIZE = 8
 
@@ -325,7 +327,8 @@ def reorder_nodes(
     Writes ``folder/<name>.npy`` for every node field (``[num_nodes, ...]``, rows permuted; the fields named in
     ``sample_major`` are ``[samples, num_nodes, ...]``, as :class:`~meshwise.data.NodeSamples` reads them, permuted
     along axis 1 and written a sample at a time), ``edges.npy`` (renumbered, sorted by destination: each part's
-    in-edges one range), ``coords.npy`` (when given) and ``order.npy`` (new id -> old id). Nodes go part by part (the
+    in-edges one range), ``coords.npy`` (when given), ``order.npy`` (new id -> old id) and ``graph.json`` (the node
+    count: :func:`~meshwise.data.read_node_part` reads a rank's part from these files). Nodes go part by part (the
     partition of :func:`partition_nodes`); afterwards the same partition is ``node_parts(edges, n, parts)`` (ranges
     of ids) for the balanced ones (``coords`` or none), else ``vector=old_vector[order]``. Within a part the nodes
     no other part reads come first, then the ones others read, grouped by reader (along the Morton curve within a
@@ -380,6 +383,8 @@ def reorder_nodes(
         del written
     np.save(out / "edges.npy", renumbered[:, np.argsort(renumbered[1], kind="stable")])
     np.save(out / "order.npy", order)
+    meta = {"format": "meshwise-graph", "num_nodes": num_nodes, "edges": "sorted by destination", "parts": parts}
+    (out / GRAPH_FILE).write_text(json.dumps(meta) + "\n")
     if coords is not None:
         np.save(out / "coords.npy", np.asarray(coords)[order])
     return {"order": order, "runs_before": before, "runs_after": after}
