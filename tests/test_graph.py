@@ -370,3 +370,25 @@ def test_k_layers_over_the_reach_edges_of_a_k_hop_part_give_the_owned_nodes_the_
                 got = layers(x[torch.from_numpy(p.nodes)], src, dst, k)[: len(p.owned)]
                 worst = max(worst, float((got - whole[torch.from_numpy(p.owned)]).abs().max()))
             assert (worst <= 1e-12) if exact else (worst > 1e-6), (k, halo, worst)
+
+
+def test_a_halo_deeper_than_the_models_layers_is_warned_and_layers_are_checked():
+    """`layers` (the model's message-passing layers on the loaded rows before it exchanges): a deeper halo is read,
+    kept and exchanged for nothing, so it is warned, by node_parts and GraphSamples alike; as deep or shallower, not."""
+    import warnings
+
+    from meshwise.data import GraphSamples
+    from meshwise.errors import DataWarning
+
+    edges, coords = mesh()
+    n = len(coords)
+    with pytest.warns(DataWarning, match=r"a halo of 2 hops for a model that runs 1 layer\(s\).*give halo=1"):
+        node_parts(edges, n, 2, halo=2, coords=coords, layers=1)
+    with pytest.warns(DataWarning, match=r"hops 1\.\.3 are read"):
+        GraphSamples([{"edges": edges, "coords": coords}], None, None, halo=3, layers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        node_parts(edges, n, 2, halo=2, coords=coords, layers=2)
+        node_parts(edges, n, 2, halo=1, coords=coords, layers=3)  # exchanges between layers: fine
+    with pytest.raises(DataError, match="layers must be an int >= 0"):
+        node_parts(edges, n, 2, layers=-1)

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from meshwise.data.sources import chunk_bytes
-from meshwise.errors import DataError
+from meshwise.errors import DataError, DataWarning
 
-__all__ = ["NodePart", "node_parts", "partition_nodes", "read_nodes", "read_rows", "reorder_nodes"]
+__all__ = ["NodePart", "check_depth", "node_parts", "partition_nodes", "read_nodes", "read_rows", "reorder_nodes"]
 
 GRAPH_FILE = "graph.json"  # what reorder_nodes wrote: the node count, edges sorted by destination (graph_local)
 _CACHE: dict[tuple, list[NodePart]] = {}
@@ -134,6 +135,22 @@ def partition_nodes(
     return out
 
 
+def check_depth(halo: int, layers: int | None) -> None:
+    """``halo`` against ``layers``, the message-passing layers a model runs on the loaded rows before it first
+    exchanges (or at all): deeper hops are read (and exchanged) for nothing, warned; ``layers=None`` says nothing."""
+    if layers is None:
+        return
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+        raise DataError(f"layers must be an int >= 0 (the model's layers before its first exchange), got {layers!r}")
+    if halo > layers:
+        warnings.warn(
+            f"a halo of {halo} hops for a model that runs {layers} layer(s) on the loaded rows before it exchanges: "
+            f"hops {layers + 1}..{halo} are read, kept and exchanged, and no layer uses them; give halo={layers}",
+            DataWarning,
+            stacklevel=3,
+        )
+
+
 def _upstream(e: np.ndarray, nodes: np.ndarray, num_nodes: int) -> np.ndarray:
     mask = np.zeros(num_nodes, dtype=bool)
     mask[nodes] = True
@@ -148,12 +165,15 @@ def node_parts(
     halo: int = 1,
     coords: Any = None,
     vector: Sequence[int] | np.ndarray | None = None,
+    layers: int | None = None,
 ) -> list[NodePart]:
     """Every split rank's :class:`NodePart` of the graph ``edges`` (``[2, E]``, ``src -> dst``), with a ``halo``-hop
     halo; the partition as :func:`partition_nodes`. Kept for the same graph, split size and halo (samples that
-    share a mesh share it)."""
+    share a mesh share it). ``layers``: how many message-passing layers the model runs on the loaded rows before it
+    first exchanges (its reach on them); a deeper halo is warned (:class:`~meshwise.errors.DataWarning`)."""
     if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
         raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
+    check_depth(halo, layers)
     e = _check_edges(edges, num_nodes)
     key = (_digest(e, coords, vector), num_nodes, parts, halo)
     if key in _CACHE:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.graph import GRAPH_FILE, NodePart
+from meshwise.data.graph import GRAPH_FILE, NodePart, check_depth
 from meshwise.errors import DataError
 from meshwise.topology import Topology
 
@@ -39,13 +39,13 @@ def _in_edges(dst: np.ndarray, nodes: np.ndarray) -> np.ndarray:
 
 
 def read_node_part(
-    folder: str | os.PathLike[str], topology: Topology, dim: str = "domain", *, halo: int = 1
+    folder: str | os.PathLike[str], topology: Topology, dim: str = "domain", *, halo: int = 1, layers: int | None = None
 ) -> NodePart:
     """This rank's :class:`~meshwise.data.NodePart` of the graph in ``folder`` (written by ``reorder_nodes``) over
     split dim ``dim``, reading only the edges into its owned nodes and, for ``halo > 1``, into its inner halo nodes.
 
     Call it on every rank of the dim's group (one all-to-all of halo ids). Any split size works; the reorder's own
-    part count keeps the parts' halos small."""
+    part count keeps the parts' halos small. ``layers`` as for :func:`~meshwise.data.node_parts`."""
     root = Path(folder)
     try:
         meta = json.loads((root / GRAPH_FILE).read_text())
@@ -57,6 +57,7 @@ def read_node_part(
         ) from None
     if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
         raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
+    check_depth(halo, layers)
     parts, rank = topology.size(dim), topology.coordinate(dim)
     if parts > num_nodes:
         raise DataError(f"cannot divide {num_nodes} node(s) over {parts} split rank(s): use at most {num_nodes}")

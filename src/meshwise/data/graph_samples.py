@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshwise.data.graph import NodePart, node_parts, read_rows
+from meshwise.data.graph import NodePart, check_depth, node_parts, read_rows
 from meshwise.data.sources import RESERVED
 from meshwise.errors import DataError
 from meshwise.topology import Topology
@@ -38,6 +38,8 @@ class GraphSamples(torch.utils.data.Dataset):
     rows only, and ``"part"``: the :class:`~meshwise.data.NodePart` (the in-edges of the owned nodes in local
     indices, the exchange plan of :func:`~meshwise.parallel.node_halo_exchange`).
 
+    ``layers``: the model's layers on the loaded rows before it exchanges; a deeper ``halo`` is warned.
+
     Through :func:`~meshwise.data.mesh_dataloader` with ``global_batch_size=topology.data_size``: one graph a data
     rank a step (fields ``[1, rows, ...]``, ``batch["part"]`` a list of one part). Parts are computed by
     :func:`~meshwise.data.node_parts` when a sample is read, which keeps the last few graphs' parts. A list or
@@ -52,7 +54,9 @@ class GraphSamples(torch.utils.data.Dataset):
         *,
         halo: int = 1,
         owned_fields: Sequence[str] = ("target",),
+        layers: int | None = None,
     ) -> None:
+        check_depth(halo, layers)  # once here, not at every sample
         if dim is None:
             self.parts, self.rank = 1, 0
         elif dim not in topology.split_dims:
