@@ -142,7 +142,8 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -s -rs --timeout=300 tests/slurm/real_slurm.py
 
 # Elastic runs with real torchrun agents on loopback (tests/elastic/): a node lost (its agent and workers SIGKILLed),
-# a node joining, SIGTERM mid-epoch, a hung node; each run's final weights equal one process's. About 2 minutes on 2 cores.
+# a node joining, SIGTERM mid-epoch, a hung node, hung workers; each run's final weights equal one process's.
+# About 3.5 minutes on 2 cores.
 .PHONY: test-elastic
 test-elastic: $(STAMP)
 	$(BIN)/python -m pytest -q -s -rs --timeout=300 tests/elastic/real_agents.py

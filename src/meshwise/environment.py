@@ -55,6 +55,9 @@ class Environment:
     restart_count: int = 0
     # torchrun's --rdzv-id (TORCHELASTIC_RUN_ID): the job an elastic run's worlds belong to; None elsewhere.
     run_id: str | None = None
+    # Whether the world's store is the agent's, which outlives a restart (TORCHELASTIC_USE_AGENT_STORE=True); else
+    # each attempt's rank 0 hosts a fresh one (torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, srun, mpirun).
+    agent_store: bool = False
 
 
 DRY_RUN_VARIABLE = "MESHWISE_DRY_RUN"  # "rank=R,world=N,nproc=P,steps=K", set by meshwise run --dry-run
@@ -358,6 +361,7 @@ def detect_environment(env: Mapping[str, str] | None = None) -> Environment:
             _int(env, "GROUP_RANK") if env.get("GROUP_RANK") else None,
             _int(env, "TORCHELASTIC_RESTART_COUNT") if env.get("TORCHELASTIC_RESTART_COUNT") else 0,
             env.get("TORCHELASTIC_RUN_ID") or None,
+            env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         if slurm_srun_step(env):

@@ -51,9 +51,11 @@ def choose_device(env: Environment, backend: str | None) -> tuple[torch.device, 
 
 
 def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Store:
-    """The launcher's store under a prefix of its own for this attempt and this init: the store outlives a group
-    (a restarted torchrun attempt, a second init() in one process), still holding the old group's gloo addresses.
-    srun and mpirun have no agent: rank 0 of the first init hosts the store at the master address."""
+    """The launcher's store under a prefix of its own for this init, and for this attempt where the store is the
+    agent's: it outlives a group (a second init() in one process; with the agent's store, a restarted torchrun
+    attempt), still holding the old group's gloo addresses. Where each attempt's rank 0 hosts a fresh store (elastic
+    `meshwise run`, srun, mpirun) the attempt is left out: torchrun counts restarts per node, and a node that joined
+    at a restart (or restarted for another node's failure) has another count than the rest of the same world."""
     global _STORE, _INITS
     if _STORE is None:
         url = (
@@ -62,7 +64,8 @@ def _rendezvous_store(env: Environment, timeout: datetime.timedelta) -> dist.Sto
             else f"tcp://{env.master_addr}:{env.master_port}?rank={env.rank}&world_size={env.world_size}"
         )
         _STORE = next(dist.rendezvous(url, timeout=timeout))[0]
-    prefixed = dist.PrefixStore(f"meshwise/attempt-{env.restart_count}/init-{_INITS}", _STORE)
+    attempt = f"attempt-{env.restart_count}/" if env.agent_store else ""
+    prefixed = dist.PrefixStore(f"meshwise/{attempt}init-{_INITS}", _STORE)
     _INITS += 1
     return prefixed
 

@@ -63,7 +63,8 @@ def agent(
         )
 
 
-def _tree(pid: int) -> list[int]:
+def tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents first."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -81,7 +82,7 @@ def _tree(pid: int) -> list[int]:
 def lose_node(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> float:
     """``sig`` to the agent and every process under it (its workers run in sessions of their own): SIGKILL, a node
     gone; SIGSTOP, a node that hangs (its processes alive, its sockets open, nothing answering)."""
-    pids = _tree(proc.pid)
+    pids = tree(proc.pid)
     t = time.monotonic()
     for pid in pids:
         with contextlib.suppress(OSError):
@@ -133,7 +134,7 @@ def finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 240
     finally:
         for p in procs:
             if p.poll() is None:
-                for pid in _tree(p.pid):
+                for pid in tree(p.pid):
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
                 p.wait()

@@ -6,6 +6,7 @@ mid-epoch, or the run is stopped with SIGTERM, and the final weights equal the u
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -124,3 +125,29 @@ def test_a_hung_node_is_given_up_after_the_users_timeout_and_the_others_train_on
     print(f"hung node: final weights differ from one process by {diff:.3g}")
     assert diff <= TOL
     assert [w["world_size"] for w in agents.worlds(run)][-2:] == [4, 2]
+
+
+def test_hung_workers_on_a_live_node_are_replaced_and_the_world_restarts_whole(tmp_path, ref):
+    """Node B's workers hang at step 8 (SIGSTOPped; B's agent alive and answering, as with a stuck GPU). A's workers
+    give up after `--timeout 10` and rejoin; B's agent sees them waiting, stops its hung workers (SIGKILL after
+    torchrun's 30 s) and both nodes restart at dp=2 x tp=2 from the latest checkpoint. B's agent restarted for A's
+    failure, so torchrun counts one restart less there: the world's store prefix must not depend on that count."""
+    run = tmp_path / "run"
+    with agents.store() as endpoint:
+        logs = [tmp_path / "a.log", tmp_path / "b.log"]
+        a = agents.agent(
+            endpoint, "hw", agents.train_args(run, STEPS, 0.3, tmp_path / "out.json"), logs[0], "--timeout", "10"
+        )
+        b = agents.agent(endpoint, "hw", agents.train_args(run, STEPS, 0.3), logs[1], "--timeout", "10")
+        agents.wait_for_step(run, 8, [a, b], world=4)
+        for pid in agents.tree(b.pid)[1:]:  # the workers, not the agent
+            os.kill(pid, signal.SIGSTOP)
+        text_a, text_b = agents.finish([a, b], logs)
+    assert (a.returncode, b.returncode) == (0, 0), text_a[-3000:] + text_b[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert (out["step"], out["world"]) == (STEPS, 4)
+    diff = agents.max_diff(out["weights"], ref)
+    print(f"hung workers: final weights differ from one process by {diff:.3g}")
+    assert diff <= TOL
+    last = agents.worlds(run)[-1]
+    assert last["world_size"] == 4 and last["resumed_from"] >= 7
