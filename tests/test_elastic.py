@@ -8,6 +8,7 @@ import datetime
 import importlib.util
 import json
 import logging
+import os
 import socket
 from pathlib import Path
 
@@ -67,6 +68,10 @@ def test_an_elastic_run_needs_a_store_that_no_training_node_hosts(clean_env, mon
     args = parse_run_args(["--nnodes", "2", str(EXAMPLE)])  # a fixed node count is not elastic: left alone
     elastic.prepare_elastic(args, None, None)
     assert args.rdzv_conf == ""
+    elastic.fresh_store_per_attempt(parse_run_args([str(EXAMPLE)]))  # one node: the agent's store, one count
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+    elastic.fresh_store_per_attempt(args)  # several nodes, even a fixed count: a fresh store every attempt
+    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
 
 
 def test_agents_join_the_store_as_clients_with_quick_failure_detection_and_the_users_settings_win(clean_env):
@@ -78,6 +83,7 @@ def test_agents_join_the_store_as_clients_with_quick_failure_detection_and_the_u
         [*_elastic("--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", "keep_alive_max_attempt=7"), str(EXAMPLE)]
     )
     elastic.prepare_elastic(args, "dp=-1", None)
+    elastic.fresh_store_per_attempt(args)
     assert args.max_restarts == 3  # torchrun's 0 would end an elastic run at its first lost node
     conf = dict(item.split("=") for item in args.rdzv_conf.split(","))
     assert conf == {
@@ -86,8 +92,6 @@ def test_agents_join_the_store_as_clients_with_quick_failure_detection_and_the_u
         "last_call_timeout": "1",
         "keep_alive_interval": "1",
     }
-    import os
-
     assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     args = parse_run_args([*_elastic("--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0"), str(EXAMPLE)])
     elastic.prepare_elastic(args, "dp=-1", None, ["--max-restarts"])

@@ -15,7 +15,14 @@ from collections.abc import Collection, Sequence
 from meshwise.errors import TopologyError
 from meshwise.layout import Layout
 
-__all__ = ["MAX_RESTARTS", "RENDEZVOUS_DEFAULTS", "elastic_range", "prepare_elastic", "serve_store"]
+__all__ = [
+    "MAX_RESTARTS",
+    "RENDEZVOUS_DEFAULTS",
+    "elastic_range",
+    "fresh_store_per_attempt",
+    "prepare_elastic",
+    "serve_store",
+]
 
 # torchrun's c10d defaults wait 30 s (last call) for more nodes once the minimum is there, and count a node dead 15 s
 # after its last heartbeat (3 x 5 s): a lost node cost the survivors ~37 s of rendezvous on loopback. These (each one
@@ -109,10 +116,19 @@ def prepare_elastic(args: argparse.Namespace, mesh: str | None, roles: str | Non
     for key, value in RENDEZVOUS_DEFAULTS.items():
         conf.setdefault(key, value)
     args.rdzv_conf = ",".join(f"{k}={v}" for k, v in conf.items())
-    # torchrun (2.13) serves the workers' store from the rank-0 agent and keeps its address from the first round: a
-    # node that joins a later round then waits 60 s for an address nobody writes again, and both agents fail. Each
-    # round's rank-0 worker hosts a fresh store instead (torchrun's own opt-out of the shared store).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def fresh_store_per_attempt(args: argparse.Namespace) -> None:
+    """On several nodes, each attempt's rank-0 worker hosts a fresh world store (torchrun's own opt-out of the
+    shared store, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; one the user exported wins).
+
+    torchrun 2.13 serves the workers' store from the rank-0 agent and keeps its address from the first round: a node
+    that joins a later round waits 60 s for an address nobody writes again, and both agents fail. And that store
+    outlives a restart, holding the last attempt's gloo addresses, so ``meshwise.init`` would have to key its keys
+    on the attempt, which torchrun counts per node: a node that restarts for another node's failure counts one
+    less, its ranks never meet the others, and every restart fails the same way."""
+    if int(str(args.nnodes).split(":")[-1]) > 1:
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def serve_store(argv: Sequence[str]) -> int:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from meshwise.elastic import prepare_elastic, serve_store
+from meshwise.elastic import fresh_store_per_attempt, prepare_elastic, serve_store
 from meshwise.environment import (
     DRY_RUN_VARIABLE,
     DryRunSpec,
@@ -162,6 +162,7 @@ def _run(argv: Sequence[str]) -> int:
     if args.roles is not None:
         os.environ["MESHWISE_ROLES"] = args.roles
     prepare_elastic(args, os.environ.get("MESHWISE_MESH"), os.environ.get("MESHWISE_ROLES"), tokens)
+    fresh_store_per_attempt(args)
     if args.timeout is not None:
         os.environ["MESHWISE_TIMEOUT"] = str(args.timeout)
     from torch.distributed.elastic.multiprocessing import SignalException
