@@ -206,3 +206,12 @@ def test_a_second_world_writing_the_same_folder_stops_the_first_at_its_next_save
         assert ckpt.folder.steps() == [1, 2]  # step 3 was not saved (the other world came after step 2's save)
     finally:
         meshwise.shutdown()
+
+
+def test_a_dry_run_of_the_elastic_example_writes_no_history_and_no_checkpoint_folder(tmp_path, capsys, clean_env):
+    """`meshwise run --dry-run` plays a rank of a planned world and writes nothing: no worlds.jsonl, no
+    .reached-step, not even the checkpoint folder."""
+    run = tmp_path / "run"
+    argv = ["run", "--dry-run", "--world-size", "8", "--rank", "0", "--mesh", "dp=-1,tp=2", str(EXAMPLE)]
+    assert main([*argv, "--run-dir", str(run), "--steps", "2"]) == 0
+    assert not run.exists(), sorted(p.name for p in run.iterdir())

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from meshwise import dryrun
 from meshwise.errors import CheckpointError
 from meshwise.report import WORLDS_FILE
 from meshwise.topology import Topology
@@ -34,11 +35,11 @@ def _world_text(record: dict[str, Any]) -> str:
 
 class WorldHistory:
     """Rank 0 appends one line to ``root/worlds.jsonl`` at every start of a run in ``root`` and keeps the last step
-    reached; the other ranks do nothing. Kept by :class:`~meshwise.engine.handlers.Checkpointing`."""
+    reached; the other ranks, and a dry run, write nothing. Kept by :class:`~meshwise.engine.handlers.Checkpointing`."""
 
     def __init__(self, root: str | os.PathLike[str], topology: Topology) -> None:
         self.root, self.topology = Path(root), topology
-        self.writes = topology.rank == 0
+        self.writes = topology.rank == 0 and dryrun.active() is None  # a dry run writes nothing (docs/dryrun.md)
         self.path = self.root / WORLDS_FILE
         self.started = False
         self.world_id = uuid.uuid4().hex[:12]
