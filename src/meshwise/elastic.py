@@ -20,6 +20,7 @@ __all__ = [
     "RENDEZVOUS_DEFAULTS",
     "elastic_range",
     "fresh_store_per_attempt",
+    "node_range",
     "prepare_elastic",
     "serve_store",
 ]
@@ -37,14 +38,19 @@ _STORE_CHECK_S = 10.0  # how long meshwise run waits for `meshwise store` to ans
 MAX_RESTARTS = 3  # an elastic run's --max-restarts when none is given: torchrun's 0 ends it at the first lost node
 
 
-def elastic_range(args: argparse.Namespace) -> tuple[int, int] | None:
-    """``(MIN, MAX)`` of ``--nnodes MIN:MAX`` when MIN < MAX, else None (a fixed node count)."""
-    low, _, high = str(args.nnodes).partition(":")
+def node_range(nnodes: object) -> tuple[int, int] | None:
+    """``(MIN, MAX)`` of ``--nnodes N`` (``(N, N)``) or ``MIN:MAX``; None when they are not numbers."""
+    low, _, high = str(nnodes).partition(":")
     try:
-        lo, hi = int(low), int(high or low)
+        return int(low), int(high or low)
     except ValueError:
         return None
-    return (lo, hi) if hi > lo else None
+
+
+def elastic_range(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``(MIN, MAX)`` of ``--nnodes MIN:MAX`` when MIN < MAX, else None (a fixed node count)."""
+    nodes = node_range(args.nnodes)
+    return nodes if nodes is not None and nodes[1] > nodes[0] else None
 
 
 def _check_worlds(args: argparse.Namespace, nodes: tuple[int, int], mesh: str, roles: str | None) -> None:
@@ -127,7 +133,8 @@ def fresh_store_per_attempt(args: argparse.Namespace) -> None:
     outlives a restart, holding the last attempt's gloo addresses, so ``meshwise.init`` would have to key its keys
     on the attempt, which torchrun counts per node: a node that restarts for another node's failure counts one
     less, its ranks never meet the others, and every restart fails the same way."""
-    if int(str(args.nnodes).split(":")[-1]) > 1:
+    nodes = node_range(args.nnodes)
+    if nodes is not None and nodes[1] > 1:
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 

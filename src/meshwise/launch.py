@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from meshwise.elastic import fresh_store_per_attempt, prepare_elastic, serve_store
+from meshwise.elastic import fresh_store_per_attempt, node_range, prepare_elastic, serve_store
 from meshwise.environment import (
     DRY_RUN_VARIABLE,
     DryRunSpec,
@@ -363,8 +363,7 @@ def _options_given(argv: Sequence[str], args: argparse.Namespace, parser: argpar
 
 
 def _single_node(nnodes: object) -> bool:
-    low, _, high = str(nnodes).partition(":")
-    return low.strip() == "1" and high.strip() in ("", "1")
+    return node_range(nnodes) == (1, 1)
 
 
 def _standalone_by_default(
@@ -386,15 +385,13 @@ def _standalone_by_default(
 
 def _planned_world(args: argparse.Namespace) -> int | None:
     """World size when both node and process counts are fixed numbers, so a bad mesh fails before launch."""
-    low, _, high = str(args.nnodes).partition(":")
+    nodes = node_range(args.nnodes)
+    if nodes is None or nodes[0] != nodes[1]:
+        return None  # an elastic range: the world size is known only at rendezvous
     try:
-        nnodes = int(low)
-        if high and int(high) != nnodes:
-            return None  # elastic range: the world size is known only at rendezvous
-        nproc = int(args.nproc_per_node)
+        return nodes[0] * int(args.nproc_per_node)
     except ValueError:
         return None
-    return nnodes * nproc
 
 
 def _fill_from_slurm(args: argparse.Namespace, env: Mapping[str, str], argv: Sequence[str] = ()) -> None:

@@ -31,7 +31,17 @@ import numpy as np
 from meshwise.data.sources import chunk_bytes
 from meshwise.errors import DataError, DataWarning
 
-__all__ = ["NodePart", "check_depth", "node_parts", "partition_nodes", "read_nodes", "read_rows", "reorder_nodes"]
+__all__ = [
+    "NodePart",
+    "check_halo",
+    "expand_runs",
+    "node_parts",
+    "partition_nodes",
+    "read_nodes",
+    "read_rows",
+    "refuse_whole_graph",
+    "reorder_nodes",
+]
 
 GRAPH_FILE = "graph.json"  # what reorder_nodes wrote: the node count, edges sorted by destination (graph_local)
 _CACHE: dict[tuple, list[NodePart]] = {}
@@ -135,9 +145,12 @@ def partition_nodes(
     return out
 
 
-def check_depth(halo: int, layers: int | None) -> None:
-    """``halo`` against ``layers``, the message-passing layers a model runs on the loaded rows before it first
-    exchanges (or at all): deeper hops are read (and exchanged) for nothing, warned; ``layers=None`` says nothing."""
+def check_halo(halo: Any, layers: Any = None) -> None:
+    """``halo`` must be hops (an int >= 0); against ``layers``, the message-passing layers a model runs on the loaded
+    rows before it first exchanges (or at all), deeper hops are read (and exchanged) for nothing: warned.
+    ``layers=None`` says nothing."""
+    if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
+        raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
     if layers is None:
         return
     if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
@@ -148,6 +161,15 @@ def check_depth(halo: int, layers: int | None) -> None:
             f"hops {layers + 1}..{halo} are read, kept and exchanged, and no layer uses them; give halo={layers}",
             DataWarning,
             stacklevel=3,
+        )
+
+
+def refuse_whole_graph(halo: int, rank: int, held: int, num_nodes: int, parts: int) -> None:
+    """A part whose owned and halo nodes (``held``) are the whole graph saves nothing by splitting: refused."""
+    if held == num_nodes and parts > 1 and halo > 0:
+        raise DataError(
+            f"a halo of {halo} hop(s) gives split rank {rank} every node of the graph: the part reads the whole "
+            "sample, so splitting it saves nothing; use a smaller halo (one hop per exchange) or fewer split ranks"
         )
 
 
@@ -171,9 +193,7 @@ def node_parts(
     halo; the partition as :func:`partition_nodes`. Kept for the same graph, split size and halo (samples that
     share a mesh share it). ``layers``: how many message-passing layers the model runs on the loaded rows before it
     first exchanges (its reach on them); a deeper halo is warned (:class:`~meshwise.errors.DataWarning`)."""
-    if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
-        raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
-    check_depth(halo, layers)
+    check_halo(halo, layers)
     e = _check_edges(edges, num_nodes)
     key = (_digest(e, coords, vector), num_nodes, parts, halo)
     if key in _CACHE:
@@ -189,11 +209,7 @@ def node_parts(
             inner = reach
             reach = np.union1d(reach, _upstream(e, reach, num_nodes))
         extra = np.setdiff1d(reach, owned)
-        if len(extra) and len(extra) + len(owned) == num_nodes and parts > 1:
-            raise DataError(
-                f"a halo of {halo} hop(s) gives split rank {p} every node of the graph: the part reads the whole "
-                "sample, so splitting it saves nothing; use a smaller halo (one hop per exchange) or fewer split ranks"
-            )
+        refuse_whole_graph(halo, p, len(extra) + len(owned), num_nodes, parts)
         extra = extra[np.lexsort((extra, owner[extra]))]  # grouped by owner: one block per sender
         halos.append(extra)
         inners.append(inner)
@@ -256,7 +272,7 @@ def read_nodes(source: Any, part: NodePart) -> tuple[np.ndarray, int]:
     return read_rows(source, part.nodes)
 
 
-def _expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``starts[i] .. starts[i] + lengths[i] - 1`` for every ``i``, one after the other."""
     return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
 
@@ -321,7 +337,7 @@ def read_rows(source: Any, nodes: np.ndarray) -> tuple[np.ndarray, int]:
     if not chunks:
         return out, int(out.nbytes)
     k = ids[rest] // c0
-    touched = np.r_[_expand(span_first, span_last - span_first + 1), k[np.r_[True, k[1:] != k[:-1]][: len(k)]]] * c0
+    touched = np.r_[expand_runs(span_first, span_last - span_first + 1), k[np.r_[True, k[1:] != k[:-1]][: len(k)]]] * c0
     return out, chunk_bytes(shape, chunks, touched, [slice(0, n) for n in shape[1:]], out.dtype.itemsize)
 
 

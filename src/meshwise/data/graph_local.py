@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from meshwise.data.graph import GRAPH_FILE, NodePart, check_depth
+from meshwise.data.graph import GRAPH_FILE, NodePart, check_halo, expand_runs, refuse_whole_graph
 from meshwise.errors import DataError
 from meshwise.topology import Topology
 
@@ -33,9 +33,8 @@ def _bound(part: int, parts: int, num_nodes: int) -> int:
 
 def _in_edges(dst: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     """File positions of the edges into ``nodes`` (increasing ids), in file order: ``dst`` is sorted."""
-    starts, ends = np.searchsorted(dst, nodes, "left"), np.searchsorted(dst, nodes, "right")
-    lengths = ends - starts
-    return np.repeat(starts - np.cumsum(lengths) + lengths, lengths) + np.arange(int(lengths.sum()))
+    starts = np.searchsorted(dst, nodes, "left")
+    return expand_runs(starts, np.searchsorted(dst, nodes, "right") - starts)
 
 
 def read_node_part(
@@ -55,9 +54,7 @@ def read_node_part(
             f"{root} has no {GRAPH_FILE}: read_node_part reads a graph that reorder_nodes wrote (its edges sorted by "
             "destination); for any other graph use node_parts"
         ) from None
-    if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
-        raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
-    check_depth(halo, layers)
+    check_halo(halo, layers)
     parts, rank = topology.size(dim), topology.coordinate(dim)
     if parts > num_nodes:
         raise DataError(f"cannot divide {num_nodes} node(s) over {parts} split rank(s): use at most {num_nodes}")
@@ -77,11 +74,7 @@ def read_node_part(
         reach = np.union1d(reach, frontier)
     extra = np.setdiff1d(reach, owned)
     owner = extra * parts // num_nodes
-    if len(extra) and len(extra) + len(owned) == num_nodes and parts > 1:
-        raise DataError(
-            f"a halo of {halo} hop(s) gives split rank {rank} every node of the graph: the part reads the whole "
-            "sample, so splitting it saves nothing; use a smaller halo (one hop per exchange) or fewer split ranks"
-        )
+    refuse_whole_graph(halo, rank, len(extra) + len(owned), num_nodes, parts)
     by_owner = np.lexsort((extra, owner))
     extra, owner = extra[by_owner], owner[by_owner]
     nodes = np.concatenate([owned, extra])

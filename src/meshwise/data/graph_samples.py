@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshwise.data.graph import NodePart, check_depth, node_parts, read_rows
+from meshwise.data.graph import NodePart, check_halo, node_parts, read_rows
 from meshwise.data.sources import RESERVED
 from meshwise.errors import DataError
 from meshwise.topology import Topology
@@ -56,7 +56,7 @@ class GraphSamples(torch.utils.data.Dataset):
         owned_fields: Sequence[str] = ("target",),
         layers: int | None = None,
     ) -> None:
-        check_depth(halo, layers)  # once here, not at every sample
+        check_halo(halo, layers)  # once here, not at every sample
         if dim is None:
             self.parts, self.rank = 1, 0
         elif dim not in topology.split_dims:
@@ -67,8 +67,6 @@ class GraphSamples(torch.utils.data.Dataset):
             )
         else:
             self.parts, self.rank = topology.size(dim), topology.coordinate(dim)
-        if isinstance(halo, bool) or not isinstance(halo, int) or halo < 0:
-            raise DataError(f"halo must be an int >= 0 (hops), got {halo!r}")
         if isinstance(owned_fields, str):
             raise DataError(
                 f"owned_fields takes field names, got the string {owned_fields!r}: write ({owned_fields!r},)"
